@@ -1,0 +1,21 @@
+"""autoshard: automatic sharding, recompute and offload planning for PyTorch models.
+
+Pipeline: :func:`capture` (torch.export on meta tensors) -> per-op handlers enumerate sharding
+strategies over a 2D mesh (:func:`enumerate_strategies`) -> solver -> plan -> runtime.
+"""
+from .capture import CapturedGraph, CaptureError, TensorMeta, capture
+from .enumerate import NodeStrategies, StrategyTable, UnsupportedOpError, enumerate_strategies
+from .hardware import HardwareError, HardwareProfile, available_profiles, load_hardware
+from .mesh import MeshError, MeshSpec
+from .reshard import reshard_cost, reshard_plan
+from .specs import ShardSpec, SpecError
+from .strategy import AxisOption, CommAction, MemoryCost, Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisOption", "CaptureError", "CapturedGraph", "CommAction", "HardwareError", "HardwareProfile",
+    "MemoryCost", "MeshError", "MeshSpec", "NodeStrategies", "ShardSpec", "SpecError", "Strategy",
+    "StrategyTable", "TensorMeta", "UnsupportedOpError", "available_profiles", "capture",
+    "enumerate_strategies", "load_hardware", "reshard_cost", "reshard_plan",
+]

@@ -1,0 +1,34 @@
+"""What a local kernel may ask of the mesh: its coordinate and autograd-aware all-reduces.
+
+Two implementations: the thread-simulated mesh of :mod:`autoshard.verify` (single process) and the
+DeviceMesh-backed one of the runtime (torchrun ranks). Kernels are written once against this API.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class DeviceComm(Protocol):
+    coord: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+
+    def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
+                   backward: str = "sum") -> torch.Tensor:
+        """All-reduce ``t`` over mesh ``axes``.
+
+        ``op``: 'sum' or 'max' (max is not differentiable: use it on detached tensors).
+        ``backward``: 'sum' when every device goes on to use the result for its own part of the
+        work (sync-BN statistics: the gradient is the sum of all devices' gradients), 'identity'
+        when the downstream work is duplicated on every device (a resolved partial sum).
+        """
+        ...
+
+    def axis_index(self, axis: int) -> int:
+        """This device's position along ``axis``."""
+        ...
+
+    def shard_index(self, axes: Sequence[int]) -> int:
+        """This device's block index for a dim sharded over ``axes`` (outer axis first)."""
+        ...

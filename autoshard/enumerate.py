@@ -1,0 +1,159 @@
+"""Strategy enumeration over a whole captured graph."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch.fx as fx
+
+from .capture import CapturedGraph, capture
+from .hardware import HardwareProfile, load_hardware
+from .mesh import MeshSpec
+from .opinfo import OpInfo, op_name
+from .specs import ShardSpec, all_specs
+from .strategy import MemoryCost, Strategy, expand
+
+
+class UnsupportedOpError(NotImplementedError):
+    """A graph node whose op has no handler."""
+
+
+@dataclass
+class NodeStrategies:
+    """The strategies of one graph node."""
+
+    node: str
+    op: str
+    module_path: str
+    strategies: list[Strategy]
+    operand_nodes: list[str]
+    fallback: bool = False       # replicated only because fallback="replicate" was asked for
+
+    def __iter__(self) -> Iterator[Strategy]:
+        return iter(self.strategies)
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.strategies]
+
+    def by_name(self, name: str) -> Strategy:
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        raise KeyError(f"node {self.node} has no strategy named {name!r}; it has {self.names()}")
+
+
+@dataclass
+class StrategyTable:
+    """Per-node strategies of a captured graph on a mesh (ordered as the graph)."""
+
+    graph: CapturedGraph
+    mesh: MeshSpec
+    hardware: HardwareProfile
+    nodes: dict[str, NodeStrategies]
+    seconds: float = 0.0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def __getitem__(self, node_name: str) -> NodeStrategies:
+        return self.nodes[node_name]
+
+    def __iter__(self) -> Iterator[NodeStrategies]:
+        return iter(self.nodes.values())
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def total_strategies(self) -> int:
+        return sum(len(n) for n in self.nodes.values())
+
+
+def _placeholder_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec) -> list[Strategy]:
+    """A parameter, buffer or input may be held in any layout that divides its shape."""
+    meta = graph.tensor_meta(node)
+    if meta is None or isinstance(meta, tuple):
+        return [Strategy("()", (), (None,), 0.0, 0.0, (), MemoryCost())]
+    out = []
+    item = meta.dtype.itemsize
+    for spec in all_specs(len(meta.shape), 2):
+        if not spec.fits(meta.shape, mesh.shape) or any(mesh.shape[a] == 1 for a in spec.used_axes()):
+            continue
+        local = spec.local_numel(meta.shape, mesh.shape) * item
+        is_param = graph.is_param(node)
+        grads = local if is_param and graph.requires_grad(node) else 0
+        out.append(Strategy(str(spec), (), (spec,), 0.0, 0.0, (),
+                            MemoryCost(params=local if is_param else 0, grads=grads, outputs=local)))
+    return out
+
+
+def _output_strategies(graph: CapturedGraph, node: fx.Node) -> tuple[list[Strategy], list[str]]:
+    """The graph output returns global tensors: every tensor output is consumed replicated."""
+    operands = [n for n in node.all_input_nodes
+                if graph.tensor_meta(n) is not None and not isinstance(graph.tensor_meta(n), tuple)]
+    specs = tuple(ShardSpec.replicate(len(graph.tensor_meta(n).shape)) for n in operands)  # type: ignore[union-attr]
+    return [Strategy("return replicated", specs, (), 0.0, 0.0, (), MemoryCost())], [n.name for n in operands]
+
+
+def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: HardwareProfile,
+                    *, fallback: str = "error", cache: dict | None = None) -> NodeStrategies:
+    """Strategies of one node; raises UnsupportedOpError for an op with no handler."""
+    from .handlers import handler_for
+
+    path = graph.module_path(node)
+    if node.op == "placeholder":
+        return NodeStrategies(node.name, "placeholder", path, _placeholder_strategies(graph, node, mesh), [])
+    if node.op == "output":
+        strategies, operands = _output_strategies(graph, node)
+        return NodeStrategies(node.name, "output", path, strategies, operands)
+    handler = handler_for(node.target)
+    is_fallback = False
+    if handler is None:
+        if fallback != "replicate":
+            raise UnsupportedOpError(
+                f"no sharding handler for {op_name(node.target)} at node '{node.name}' "
+                f"(module '{path or '<root>'}'). Add a handler in autoshard/handlers/, or pass "
+                f"fallback='replicate' to run this node replicated (it will be reported).")
+        is_fallback = True
+    op = OpInfo(node, graph, mesh, free=bool(handler and handler.free))
+    key = op.signature()
+    if cache is not None and key in cache:
+        strategies = cache[key]
+    else:
+        from .strategy import default_name
+
+        rules = () if handler is None or handler.replicate_only else tuple(handler.rules(op))
+        namer = handler.namer if handler is not None else default_name
+        strategies = expand(op, rules, hw, namer)
+        if not strategies:
+            raise UnsupportedOpError(f"{op.describe()} has no valid strategy on mesh {mesh}")
+        if cache is not None:
+            cache[key] = strategies
+    return NodeStrategies(node.name, op_name(node.target), path, strategies,
+                          [n.name for n in op.operand_nodes], fallback=is_fallback)
+
+
+def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,
+                         mesh_shape: Any = (2, 2), hardware: Any = "h100-nvlink",
+                         fallback: str = "error") -> StrategyTable:
+    """Every sharding strategy of every node of a model (captured here) or of a CapturedGraph.
+
+    ``fallback="replicate"`` runs nodes whose op has no handler replicated and lists them in
+    ``table.fallbacks``; the default raises :class:`UnsupportedOpError`.
+    """
+    if fallback not in ("error", "replicate"):
+        raise ValueError(f"fallback must be 'error' or 'replicate', got {fallback!r}")
+    graph = model_or_graph if isinstance(model_or_graph, CapturedGraph) else capture(model_or_graph, args, kwargs)
+    mesh = MeshSpec.of(mesh_shape)
+    hw = load_hardware(hardware)
+    start = time.perf_counter()
+    cache: dict = {}
+    nodes: dict[str, NodeStrategies] = {}
+    fallbacks = []
+    for node in graph.graph.nodes:
+        ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache)
+        nodes[node.name] = ns
+        if ns.fallback:
+            fallbacks.append(f"{ns.op} at node '{node.name}' (module '{ns.module_path or '<root>'}')")
+    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks)

@@ -1,0 +1,5 @@
+"""Node handlers: one module per op family, each a few per-axis rules (see strategy.expand)."""
+from . import matmul  # noqa: F401  (registers handlers)
+from .registry import REGISTRY, Handler, handler_for, register, register_replicate_only
+
+__all__ = ["REGISTRY", "Handler", "handler_for", "register", "register_replicate_only"]

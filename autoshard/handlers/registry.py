@@ -1,0 +1,88 @@
+"""Registry of node handlers, keyed by aten op (or Python callable for getitem / higher-order ops)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..opinfo import OpInfo, op_name
+from ..specs import ShardSpec
+from ..strategy import AxisOption, Strategy, default_name
+
+Rules = Callable[[OpInfo], Sequence[AxisOption]]
+Namer = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"], Sequence[AxisOption]], str]
+
+
+@dataclass(frozen=True)
+class LocalKernel:
+    """How one device runs a node under a strategy.
+
+    ``args``/``kwargs`` are the node's, with fx.Node operands left in place (the caller substitutes
+    local shards) and shape-like arguments rewritten for local shapes. ``epilogue``, if set, runs on
+    the outputs after the strategy's forward collectives (e.g. a bias added once after the
+    all-reduce of a k-sharded matmul); it receives the outputs and the local operands.
+    With ``uses_comm`` the target is also called with ``comm=`` a :class:`autoshard.comm_api.DeviceComm`
+    (the device's mesh coordinate and autograd-aware collectives), for ops that need a collective
+    inside them (sync batch-norm statistics, a global token count, a vocab-sharded lookup).
+    """
+
+    target: Callable
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    epilogue: Callable[[tuple[torch.Tensor, ...], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
+    uses_comm: bool = False
+
+
+KernelFn = Callable[[OpInfo, Strategy], LocalKernel]
+
+
+def default_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """Run the node's own op on local shards, arguments unchanged."""
+    return LocalKernel(op.target, tuple(op.node.args), dict(op.node.kwargs))
+
+
+@dataclass(frozen=True)
+class Handler:
+    """Per-axis rules of an op family, plus how to name its strategies."""
+
+    family: str
+    rules: Rules
+    namer: Namer = default_name
+    free: bool = False              # no compute cost (views, metadata, asserts)
+    replicate_only: bool = False    # explicitly replicate-only (cheap mask-building ops)
+    doc: str = ""
+    kernel: KernelFn = default_kernel
+
+
+REGISTRY: dict[Any, Handler] = {}
+
+
+def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
+             replicate_only: bool = False, doc: str = "", kernel: KernelFn = default_kernel
+             ) -> Callable[[Rules], Rules]:
+    """Decorator: register ``rules`` for every op in ``targets``."""
+
+    def deco(rules: Rules) -> Rules:
+        h = Handler(family=family, rules=rules, namer=namer, free=free, replicate_only=replicate_only,
+                    doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel)
+        for t in targets:
+            if t in REGISTRY:
+                raise ValueError(f"{op_name(t)} registered twice ({REGISTRY[t].family} and {family})")
+            REGISTRY[t] = h
+        return rules
+
+    return deco
+
+
+def register_replicate_only(*targets: Any, family: str, doc: str, free: bool = False) -> None:
+    """Ops that are explicitly replicate-only: only the all-replicated strategy exists."""
+
+    def no_options(op: OpInfo) -> list[AxisOption]:
+        return []
+
+    register(*targets, family=family, free=free, replicate_only=True, doc=doc)(no_options)
+
+
+def handler_for(target: Any) -> Handler | None:
+    return REGISTRY.get(target)

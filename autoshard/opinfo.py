@@ -1,0 +1,248 @@
+"""What a handler sees of a node: its tensor operands, outputs, arguments and measured op profile.
+
+The op profile (forward/backward FLOPs and the tensors autograd saves) is measured once per node
+*signature* by running the aten op on meta tensors under torch's FLOP counter and saved-tensor
+hooks, so identical transformer layers are profiled once.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .mesh import MeshSpec
+from .strategy import dtype_name
+
+if TYPE_CHECKING:
+    from .capture import CapturedGraph, TensorMeta
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor autograd keeps for backward: one of the op's operands/outputs, or a new buffer."""
+
+    source: str      # "input" | "output" | "other"
+    index: int
+    nbytes: int      # global bytes
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    fwd_flops: float
+    bwd_flops: float
+    saved: tuple[SavedTensor, ...]
+
+
+ZERO_PROFILE = OpProfile(0.0, 0.0, ())
+
+
+def tensor_operand_nodes(node: fx.Node) -> list[fx.Node]:
+    """The fx.Node leaves of a node's args and kwargs, in order (each occurrence once)."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if isinstance(x, fx.Node)]
+
+
+class OpInfo:
+    """A node as a handler sees it."""
+
+    def __init__(self, node: fx.Node, graph: "CapturedGraph", mesh: MeshSpec, *, free: bool = False):
+        self.node = node
+        self.graph = graph
+        self.mesh = mesh
+        self.free = free
+        self.operand_nodes: list[fx.Node] = []
+        self.operands: list["TensorMeta"] = []
+        for n in tensor_operand_nodes(node):
+            meta = graph.tensor_meta(n)
+            if node.target is operator.getitem:
+                meta = _element_meta(meta, node.args[1])
+            if meta is None or isinstance(meta, tuple):
+                continue
+            self.operand_nodes.append(n)
+            self.operands.append(meta)
+        out = graph.tensor_meta(node)
+        self.outputs: list["TensorMeta | None"] = list(out) if isinstance(out, tuple) else [out]
+
+    # -- convenience for handlers ------------------------------------------------------------------
+    @property
+    def target(self) -> Any:
+        return self.node.target
+
+    @property
+    def args(self) -> tuple:
+        return self.node.args
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.node.kwargs)
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Positional-or-keyword argument of the aten call, with its schema default."""
+        if len(self.node.args) > index:
+            return self.node.args[index]
+        if name in self.node.kwargs:
+            return self.node.kwargs[name]
+        return default
+
+    def operand_index(self, node: fx.Node) -> int:
+        return self.operand_nodes.index(node)
+
+    def shape(self, j: int) -> tuple[int, ...]:
+        return self.operands[j].shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        out = self.outputs[0]
+        assert out is not None
+        return out.shape
+
+    def operand_requires_grad(self, j: int) -> bool:
+        return self.graph.requires_grad(self.operand_nodes[j]) and self.operands[j].dtype.is_floating_point
+
+    def operand_is_param(self, j: int) -> bool:
+        return self.graph.is_param(self.operand_nodes[j])
+
+    @property
+    def n_grad_operands(self) -> int:
+        return sum(self.operand_requires_grad(j) for j in range(len(self.operands)))
+
+    @property
+    def compute_dtype(self) -> str:
+        for m in self.operands:
+            if m.dtype.is_floating_point:
+                return dtype_name(m.dtype)
+        return "float32"
+
+    def describe(self) -> str:
+        path = self.graph.module_path(self.node)
+        return f"{op_name(self.target)} at node '{self.node.name}' (module '{path or '<root>'}')"
+
+    # -- signature and profile ---------------------------------------------------------------------
+    def signature(self) -> tuple:
+        """Everything a strategy list depends on, except node names."""
+        return (
+            self.target,
+            tuple((m.shape, m.dtype, self.operand_requires_grad(j), self.operand_is_param(j))
+                  for j, m in enumerate(self.operands)),
+            tuple(None if m is None else (m.shape, m.dtype) for m in self.outputs),
+            _freeze(pytree.tree_map(lambda x: ("node", tensor_operand_nodes_index(self, x))
+                                    if isinstance(x, fx.Node) else x, (self.node.args, self.node.kwargs))),
+            self.mesh.shape,
+        )
+
+    def profile(self) -> OpProfile:
+        if self.free:
+            return ZERO_PROFILE
+        return _profile_cached(self)
+
+
+def tensor_operand_nodes_index(op: OpInfo, x: fx.Node) -> int:
+    try:
+        return op.operand_nodes.index(x)
+    except ValueError:
+        return -1
+
+
+def op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _element_meta(meta: Any, index: Any) -> Any:
+    if isinstance(meta, tuple) and isinstance(index, int):
+        return meta[index]
+    return meta
+
+
+def _freeze(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    return x
+
+
+class _ProfileKey:
+    """Hash an OpInfo by its signature so identical layers share one measured profile."""
+
+    def __init__(self, op: OpInfo):
+        self.op = op
+        self.key = (op.signature()[:4])
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ProfileKey) and self.key == other.key
+
+
+def _profile_cached(op: OpInfo) -> OpProfile:
+    return _measure(_ProfileKey(op))
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(key: _ProfileKey) -> OpProfile:
+    op = key.op
+    metas = op.operands
+    inputs = [torch.empty(m.shape, dtype=m.dtype, device="meta",
+                          requires_grad=op.operand_requires_grad(j)) for j, m in enumerate(metas)]
+    by_node = dict(zip(op.operand_nodes, inputs))
+    args, kwargs = pytree.tree_map(lambda x: by_node.get(x, x) if isinstance(x, fx.Node) else x,
+                                   (op.node.args, op.node.kwargs))
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    try:
+        with FlopCounterMode(display=False) as fwd_counter, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = op.target(*args, **kwargs)
+    except Exception as e:  # re-raised with the node's identity
+        raise RuntimeError(f"cannot profile {op.describe()} on meta tensors: {e}") from e
+    outs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+    bwd_flops = 0.0
+    grad_inputs = [t for t in inputs if t.requires_grad]
+    grad_outputs = [t for t in outs if t.requires_grad]
+    if grad_inputs and grad_outputs:
+        with FlopCounterMode(display=False) as bwd_counter:
+            torch.autograd.grad(grad_outputs, grad_inputs, [torch.ones_like(t) for t in grad_outputs],
+                                allow_unused=True)
+        bwd_flops = float(bwd_counter.get_total_flops())
+    return OpProfile(float(fwd_counter.get_total_flops()), bwd_flops,
+                     tuple(_classify_saved(saved, inputs, outs)))
+
+
+def _classify_saved(saved: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                    outs: Sequence[torch.Tensor]) -> list[SavedTensor]:
+    result: list[SavedTensor] = []
+    seen: set[tuple[str, int]] = set()
+    for t in saved:
+        src = _match(t, inputs, "input") or _match(t, outs, "output")
+        if src is None:
+            result.append(SavedTensor("other", -1, t.numel() * t.element_size()))
+        elif src not in seen:          # a tensor saved twice (or as a view) is stored once
+            seen.add(src)
+            result.append(SavedTensor(src[0], src[1], t.numel() * t.element_size()))
+    return result
+
+
+def _match(t: torch.Tensor, candidates: Sequence[torch.Tensor], kind: str) -> tuple[str, int] | None:
+    base = t._base if t._base is not None else t
+    for i, c in enumerate(candidates):
+        if t is c or base is c or (c._base is not None and base is c._base):
+            return (kind, i)
+    for i, c in enumerate(candidates):  # views of operands re-created by the op (e.g. W.t())
+        if t.numel() == c.numel() and t.dtype == c.dtype:
+            return (kind, i)
+    return None

@@ -1,0 +1,309 @@
+"""Sharding strategies of one graph node, and the general per-axis expander.
+
+A handler states, for ONE mesh axis, what that axis may shard for its op (an :class:`AxisOption`:
+a dim of each tensor operand or ``None``, and for each output a dim, ``None`` or :data:`PARTIAL`).
+:func:`expand` takes every combination of those options over the mesh axes, forms ``S01`` where
+both axes pick the same dim, drops combinations whose shapes do not divide, and prices each one:
+compute (roofline of the local shard), forward communication (the all-reduce that resolves a
+partial output), backward communication (the all-reduce of the gradient of an operand that is
+replicated on an axis whose computation is split), and memory per device.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from .mesh import MeshSpec
+from .specs import ShardSpec
+
+if TYPE_CHECKING:
+    from .capture import TensorMeta
+    from .hardware import HardwareProfile
+    from .opinfo import OpInfo
+
+PARTIAL = "P"
+"""Output marker in an :class:`AxisOption`: the output is a pending sum over that axis."""
+
+FWD, BWD = "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class ExtraComm:
+    """A collective an option needs beyond partial-output and gradient all-reduces (e.g. sync-BN stats).
+
+    ``nbytes(op, input_specs, output_specs)`` gives the per-device buffer size in bytes, using the
+    byte convention of :mod:`autoshard.comm` for ``kind``.
+    """
+
+    kind: str
+    phase: str
+    nbytes: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec]], int]
+    what: str
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """What one mesh axis shards for an op.
+
+    ``inputs[j]`` is the dim of tensor operand ``j`` sharded on this axis (``None``: replicated);
+    ``outputs[j]`` likewise for output ``j``, or :data:`PARTIAL`.
+    """
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | str | None, ...]
+    tag: str = ""
+    extra: tuple[ExtraComm, ...] = ()
+
+    @property
+    def splits_compute(self) -> bool:
+        return any(d is not None for d in self.inputs) or any(d is not None for d in self.outputs)
+
+
+@dataclass(frozen=True)
+class CommAction:
+    """One collective a strategy performs: ``kind`` over mesh ``axes`` on ``nbytes`` per device."""
+
+    kind: str
+    axes: tuple[int, ...]
+    nbytes: int
+    phase: str
+    operand: str          # "out0", "in1", ... : which tensor it moves (or a description)
+    cost: float           # seconds
+
+    def __str__(self) -> str:
+        ax = "".join(str(a) for a in self.axes)
+        return f"{self.phase}:{self.kind}[{ax}]({self.operand}, {self.nbytes} B)"
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes per device a strategy implies."""
+
+    params: int = 0          # local bytes of parameter operands
+    grads: int = 0           # local bytes of their gradients
+    saved: int = 0           # saved activations (autograd) that are not parameters
+    outputs: int = 0         # local bytes of the outputs
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: specs of its tensor operands and outputs, and what that costs."""
+
+    name: str
+    input_specs: tuple[ShardSpec, ...]
+    output_specs: tuple[ShardSpec | None, ...]
+    compute_fwd: float
+    compute_bwd: float
+    comm: tuple[CommAction, ...]
+    memory: MemoryCost
+    split: int = 1                                 # devices the computation is divided over
+    tags: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def output_spec(self) -> ShardSpec | None:
+        return self.output_specs[0] if self.output_specs else None
+
+    def comm_time(self, phase: str | None = None) -> float:
+        return sum(c.cost for c in self.comm if phase is None or c.phase == phase)
+
+    @property
+    def total_time(self) -> float:
+        return self.compute_fwd + self.compute_bwd + self.comm_time()
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "inputs": [str(s) for s in self.input_specs],
+            "outputs": [None if s is None else str(s) for s in self.output_specs],
+            "compute_fwd": self.compute_fwd,
+            "compute_bwd": self.compute_bwd,
+            "comm": [c.__dict__ for c in self.comm],
+            "memory": self.memory.__dict__,
+        }
+
+
+def replicate_option(n_inputs: int, n_outputs: int) -> AxisOption:
+    return AxisOption((None,) * n_inputs, (None,) * n_outputs, tag="R")
+
+
+def _norm_dim(d: int | str | None, ndim: int) -> int | str | None:
+    if d is None or d == PARTIAL:
+        return d
+    assert isinstance(d, int)
+    if not -ndim <= d < ndim:
+        raise IndexError(f"dim {d} out of range for a rank-{ndim} tensor")
+    return d % ndim
+
+
+def _itemsize(meta: "TensorMeta | None") -> int:
+    return 0 if meta is None else meta.dtype.itemsize
+
+
+def _local_bytes(meta: "TensorMeta | None", spec: ShardSpec | None, mesh_shape: Sequence[int]) -> int:
+    if meta is None or spec is None:
+        return 0
+    return spec.local_numel(meta.shape, mesh_shape) * _itemsize(meta)
+
+
+def _specs_for(
+    combo: Sequence[tuple[int, AxisOption]],
+    operands: Sequence["TensorMeta"],
+    outputs: Sequence["TensorMeta | None"],
+) -> tuple[list[ShardSpec], list[ShardSpec | None], list[tuple[int, ...]]] | None:
+    """Combine one option per axis into specs; ``None`` when the combination is not a valid layout."""
+    in_dims = [[[] for _ in m.shape] for m in operands]
+    out_dims = [[[] for _ in m.shape] if m is not None else [] for m in outputs]
+    out_partial: list[list[int]] = [[] for _ in outputs]
+    for axis, opt in combo:
+        for j, d in enumerate(opt.inputs):
+            if d is not None:
+                in_dims[j][_norm_dim(d, len(operands[j].shape))].append(axis)  # type: ignore[index]
+        for j, d in enumerate(opt.outputs):
+            if d == PARTIAL:
+                out_partial[j].append(axis)
+            elif d is not None:
+                meta = outputs[j]
+                if meta is None:
+                    return None
+                out_dims[j][_norm_dim(d, len(meta.shape))].append(axis)  # type: ignore[index]
+    try:
+        in_specs = [ShardSpec(tuple(tuple(d) for d in dims)) for dims in in_dims]
+        out_specs = [ShardSpec(tuple(tuple(d) for d in dims)) if m is not None else None
+                     for dims, m in zip(out_dims, outputs)]
+    except ValueError:
+        return None
+    return in_specs, out_specs, [tuple(p) for p in out_partial]
+
+
+def _fits(specs: Sequence[ShardSpec | None], metas: Sequence["TensorMeta | None"], mesh_shape) -> bool:
+    return all(s is None or m is None or s.fits(m.shape, mesh_shape) for s, m in zip(specs, metas))
+
+
+def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
+           namer: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec | None], Sequence[AxisOption]], str]
+           ) -> list[Strategy]:
+    """Every valid combination of per-axis ``options`` over the mesh, priced and named.
+
+    The replicate option is always added. Mesh axes of size 1 only replicate (sharding over them
+    would duplicate strategies without changing anything).
+    """
+    from .comm import collective_cost
+
+    mesh_shape = op.mesh.shape
+    n_in, n_out = len(op.operands), len(op.outputs)
+    for opt in options:
+        if len(opt.inputs) != n_in or len(opt.outputs) != n_out:
+            raise ValueError(f"handler option {opt.tag!r} for {op.describe()} gives {len(opt.inputs)} inputs/"
+                             f"{len(opt.outputs)} outputs, the node has {n_in}/{n_out}")
+    rep = replicate_option(n_in, n_out)
+    per_axis = [[(axis, o) for o in ([*options, rep] if mesh_shape[axis] > 1 else [rep])]
+                for axis in range(len(mesh_shape))]
+    profile = op.profile()
+    seen: set = set()
+    out: list[Strategy] = []
+    for combo in itertools.product(*per_axis):
+        built = _specs_for(combo, op.operands, op.outputs)
+        if built is None:
+            continue
+        in_specs, out_specs, out_partial = built
+        if not (_fits(in_specs, op.operands, mesh_shape) and _fits(out_specs, op.outputs, mesh_shape)):
+            continue
+        key = (tuple(in_specs), tuple(out_specs), tuple(out_partial))
+        if key in seen:
+            continue
+        seen.add(key)
+        opts = [o for _, o in combo]
+        split = math.prod(mesh_shape[a] for a, o in combo if o.splits_compute)
+        comm = _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_cost)
+        out.append(Strategy(
+            name=namer(op, in_specs, out_specs, opts),
+            input_specs=tuple(in_specs),
+            output_specs=tuple(out_specs),
+            compute_fwd=_roofline(profile.fwd_flops / split, _io_bytes(op, in_specs, out_specs), op, hw),
+            compute_bwd=_roofline(profile.bwd_flops / split,
+                                  _io_bytes(op, in_specs, out_specs) * op.n_grad_operands, op, hw),
+            comm=tuple(comm),
+            memory=_memory(op, in_specs, out_specs, split, profile),
+            split=split,
+            tags=tuple(o.tag for o in opts),
+        ))
+    return out
+
+
+def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_cost) -> list[CommAction]:
+    mesh_shape = op.mesh.shape
+    actions: list[CommAction] = []
+
+    def add(kind: str, axes: Sequence[int], nbytes: int, phase: str, operand: str) -> None:
+        axes = tuple(a for a in sorted(axes) if mesh_shape[a] > 1)
+        if axes and nbytes:
+            actions.append(CommAction(kind, axes, nbytes, phase, operand,
+                                      collective_cost(kind, nbytes, axes, mesh_shape, hw)))
+
+    for j, axes in enumerate(out_partial):
+        add("all_reduce", axes, _local_bytes(op.outputs[j], out_specs[j], mesh_shape), FWD, f"out{j}")
+    out_sharded = set()
+    for s in out_specs:
+        if s is not None:
+            out_sharded |= s.used_axes()
+    for j, meta in enumerate(op.operands):
+        if not op.operand_requires_grad(j):
+            continue
+        # Replicated operand, sharded output: each device's gradient is a partial sum.
+        axes = [a for a in out_sharded if a not in in_specs[j].used_axes()]
+        add("all_reduce", axes, _local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}")
+    for axis, opt in combo:
+        for extra in opt.extra:
+            add(extra.kind, [axis], extra.nbytes(op, in_specs, out_specs), extra.phase, extra.what)
+    return actions
+
+
+def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
+    mesh_shape = op.mesh.shape
+    return (sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.operands, in_specs))
+            + sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs)))
+
+
+def _roofline(flops: float, nbytes: int, op: "OpInfo", hw: "HardwareProfile") -> float:
+    if op.free:
+        return 0.0
+    return max(flops / hw.flops_for(op.compute_dtype), nbytes / hw.memory_bandwidth)
+
+
+def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCost:
+    mesh_shape = op.mesh.shape
+    params = grads = 0
+    for j, meta in enumerate(op.operands):
+        if op.operand_is_param(j):
+            b = _local_bytes(meta, in_specs[j], mesh_shape)
+            params += b
+            grads += b if op.operand_requires_grad(j) else 0
+    saved = 0
+    for s in profile.saved:
+        if s.source == "input":
+            if not op.operand_is_param(s.index):
+                saved += _local_bytes(op.operands[s.index], in_specs[s.index], mesh_shape)
+        elif s.source == "output":
+            saved += _local_bytes(op.outputs[s.index], out_specs[s.index], mesh_shape)
+        else:
+            saved += s.nbytes // split
+    outputs = sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs))
+    return MemoryCost(params=params, grads=grads, saved=saved, outputs=outputs)
+
+
+# -- naming ----------------------------------------------------------------------------------------
+
+def default_name(op: "OpInfo", in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None],
+                 options: Sequence[AxisOption]) -> str:
+    """``OUT = IN0, IN1`` in compact spec notation."""
+    outs = ", ".join(str(s) for s in out_specs if s is not None) or "()"
+    ins = ", ".join(str(s) for s in in_specs) or "()"
+    return f"{outs} = {ins}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
