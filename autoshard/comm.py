@@ -28,6 +28,9 @@ Both axes (``n = n0 * n1``): the cost is the minimum of three algorithms.
   cluster: reduce-scatter inside the node, all-reduce a 1/n1 slice across nodes, all-gather inside).
 - Flat: one ring over all ``n`` devices, each step paced by the slowest link
   (``max(alpha_0, alpha_1)``, ``max(beta_0, beta_1)``), with the one-axis formulas above.
+  For all-gather, reduce-scatter and all-reduce the hierarchical forms move the same bytes in fewer
+  steps, so flat never wins; for all-to-all the two-stage form sends every byte twice and flat wins
+  on large messages over links of similar speed.
 
 Axes of size 1 take no part; an empty ``axes`` tuple is a no-op of cost 0.
 """

@@ -138,7 +138,7 @@ def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
             for t in targets:
                 yield ReshardStep(SPLIT, a, (t,), 0, 0.0, spec.with_dim(t, spec.dims[t] + (a,)))
             yield ReshardStep(TO_PARTIAL, a, (), 0, 0.0, spec.with_partial(spec.partial + (a,)))
-        elif True:
+        elif spec.dims[d][-1] == a:
             gathered = spec.with_dim(d, spec.dims[d][:-1])
             yield comm(ALL_GATHER, a, (d,), local * p.mesh_shape[a], gathered)
             for t in targets:

@@ -162,6 +162,20 @@ def brute_force_costs(src: ShardSpec, states: list[ShardSpec], edges) -> dict[Sh
     return best
 
 
+def all_simple_path_costs(src: ShardSpec, edges) -> dict[ShardSpec, float]:
+    """Cheapest cost to every state over ALL simple paths from ``src``, no pruning."""
+    best = {src: 0.0}
+
+    def dfs(u: ShardSpec, cost: float, on_path: frozenset) -> None:
+        for v, c in edges[u]:
+            if v not in on_path:
+                best[v] = min(best.get(v, math.inf), cost + c)
+                dfs(v, cost + c, on_path | {v})
+
+    dfs(src, 0.0, frozenset([src]))
+    return best
+
+
 def replay(p, shape, mesh) -> None:
     """Apply each step by the move rules and check the specs, costs and the total."""
     spec, total = p.src, 0.0
@@ -193,3 +207,11 @@ def test_optimal_against_exhaustive_search(shape, mesh):
             p = reshard_plan(src, dst, shape, 4, mesh, HW)
             assert p.cost == pytest.approx(best[dst], rel=1e-9, abs=1e-15), f"{src} -> {dst}: {p}"
             replay(p, shape, mesh)
+
+
+@pytest.mark.parametrize("shape,mesh", [((8,), (2, 2)), ((2, 6), (2, 4))])
+def test_pruned_search_equals_full_enumeration(shape, mesh):
+    states = [s for s in all_specs(len(shape), len(mesh), with_partial=True) if s.fits(shape, mesh)]
+    edges = {s: [(t, m[3]) for t in states if (m := one_move(s, t, shape, mesh))] for s in states}
+    for src in states:
+        assert brute_force_costs(src, states, edges) == pytest.approx(all_simple_path_costs(src, edges))
