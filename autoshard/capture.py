@@ -71,7 +71,8 @@ class TensorMeta:
         return self.dtype.is_floating_point or self.dtype.is_complex
 
 
-Meta = "TensorMeta | tuple[TensorMeta | None, ...] | None"
+Meta = TensorMeta | tuple[TensorMeta | None, ...] | None   # what tensor_meta() returns
+NodeRef = fx.Node | str                                     # a node or its name
 
 
 class _SymbolicShape(Exception):
@@ -92,7 +93,7 @@ def op_name(node: fx.Node) -> str:
 
 
 def capture(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
-            name: str | None = None) -> "CapturedGraph":
+            name: str | None = None) -> CapturedGraph:
     """Export ``model(*args, **kwargs)`` to an annotated aten graph.
 
     Works on meta tensors (nothing is allocated) and on real ones. Raises :class:`CaptureError`
@@ -145,6 +146,13 @@ def _hints_for(model: nn.Module, error: Exception, text: str) -> list[str]:
 class CapturedGraph:
     """An exported aten graph plus per-node facts the sharding planner needs.
 
+    Attributes: ``exported`` (the ExportedProgram), ``graph_module``/``graph`` (its fx objects),
+    ``param_fqn``/``buffer_fqn``/``constant_fqn`` (placeholder name -> FQN; one placeholder per
+    tensor, tied tensors under their first name), ``tied_params`` (canonical FQN -> all names),
+    ``tied_placeholders`` (unused duplicate placeholder -> the one used), ``user_inputs`` (tensor
+    input placeholders, in order), ``user_input_specs`` (placeholder -> ``args[0]`` /
+    ``kwargs['x']``), ``constant_inputs`` (non-tensor inputs export baked in), ``outputs`` (user
+    output node names), ``timings`` (seconds spent in export and in post-processing).
     Node arguments of the query methods may be an ``fx.Node`` or a node name.
     """
 
@@ -180,16 +188,36 @@ class CapturedGraph:
                 self.param_fqn[spec.arg.name] = canonical_param[id(param)][0]
                 self._param_requires_grad[spec.arg.name] = param.requires_grad
             elif spec.kind == InputKind.BUFFER:
-                self.buffer_fqn[spec.arg.name] = canonical_buffer[id(model.get_buffer(spec.target))][0]
+                buffer = model.get_buffer(spec.target)
+                self.buffer_fqn[spec.arg.name] = canonical_buffer[id(buffer)][0]
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 self.constant_fqn[spec.arg.name] = spec.target
             elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, TensorArgument):
                 self.user_inputs.append(spec.arg.name)
         self.tied_params: dict[str, tuple[str, ...]] = {
             names[0]: names for names in canonical_param.values() if len(names) > 1}
+        self.tied_placeholders: dict[str, str] = {}
+        self._drop_unused_aliases(self.param_fqn)
+        self._drop_unused_aliases(self.buffer_fqn)
         self.outputs: list[str] = [
             s.arg.name for s in self.exported.graph_signature.output_specs
             if s.kind == OutputKind.USER_OUTPUT and isinstance(s.arg, TensorArgument)]
+
+    def _drop_unused_aliases(self, fqns: dict[str, str]) -> None:
+        """export lifts a tied tensor once per name but routes every use through one placeholder;
+        the others stay unused. Keep one placeholder per tensor; record the rest in
+        ``tied_placeholders`` (unused placeholder -> the one that is used)."""
+        by_fqn: dict[str, list[str]] = {}
+        for placeholder, fqn in fqns.items():
+            by_fqn.setdefault(fqn, []).append(placeholder)
+        for placeholders in by_fqn.values():
+            if len(placeholders) < 2:
+                continue
+            used = [p for p in placeholders if self._by_name[p].users] or placeholders[:1]
+            for placeholder in placeholders:
+                if placeholder not in used:
+                    self.tied_placeholders[placeholder] = used[0]
+                    del fqns[placeholder]
 
     def _read_user_inputs(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Where each user-input placeholder came from (``args[0]``, ``kwargs['labels']``) and
@@ -210,9 +238,9 @@ class CapturedGraph:
                 continue
             if recoverable:
                 self.user_input_specs[placeholder] = _describe_path(leaves[i][0])
-            self._input_requires_grad[placeholder] = (
-                value.requires_grad if isinstance(value, torch.Tensor)
-                else bool(getattr(self._by_name[placeholder].meta.get("val"), "requires_grad", False)))
+            if not isinstance(value, torch.Tensor):  # source unknown: export's fake value knows
+                value = self._by_name[placeholder].meta.get("val")
+            self._input_requires_grad[placeholder] = bool(getattr(value, "requires_grad", False))
 
     def _annotate(self) -> tuple[dict[str, Meta], dict[str, bool]]:
         """One topological pass: static TensorMeta and requires-grad flag of every node."""
@@ -255,7 +283,7 @@ class CapturedGraph:
 
     # -- node queries ----------------------------------------------------------------------------
 
-    def node(self, ref: "fx.Node | str") -> fx.Node:
+    def node(self, ref: NodeRef) -> fx.Node:
         """The node with this name (or the node itself)."""
         if isinstance(ref, fx.Node):
             return ref
@@ -268,31 +296,31 @@ class CapturedGraph:
         """The call_function nodes, in topological order."""
         return (n for n in self.graph.nodes if n.op == "call_function")
 
-    def is_param(self, ref: "fx.Node | str") -> bool:
+    def is_param(self, ref: NodeRef) -> bool:
         return _name(ref) in self.param_fqn
 
-    def is_buffer(self, ref: "fx.Node | str") -> bool:
+    def is_buffer(self, ref: NodeRef) -> bool:
         return _name(ref) in self.buffer_fqn
 
-    def is_user_input(self, ref: "fx.Node | str") -> bool:
+    def is_user_input(self, ref: NodeRef) -> bool:
         """True for placeholders of tensor user inputs (non-tensor inputs are constants)."""
         return _name(ref) in self._input_requires_grad
 
-    def tensor_meta(self, ref: "fx.Node | str") -> "TensorMeta | tuple[TensorMeta | None, ...] | None":
+    def tensor_meta(self, ref: NodeRef) -> Meta:
         """Shape/dtype/requires_grad of the node's value; a tuple for multi-output nodes; None for
         non-tensor values."""
         return self._meta.get(self.node(ref).name)
 
-    def requires_grad(self, ref: "fx.Node | str") -> bool:
+    def requires_grad(self, ref: NodeRef) -> bool:
         """Whether the node's value (any of its outputs) carries gradient in training."""
         return self._requires_grad.get(self.node(ref).name, False)
 
-    def module_path(self, ref: "fx.Node | str") -> str:
+    def module_path(self, ref: NodeRef) -> str:
         """FQN of the innermost module the node was traced in; '' at the root."""
         entry = _innermost_module(self.node(ref))
         return entry[0] if entry else ""
 
-    def module_type(self, ref: "fx.Node | str") -> str:
+    def module_type(self, ref: NodeRef) -> str:
         """Class name of the innermost module the node was traced in."""
         entry = _innermost_module(self.node(ref))
         if entry is None:
@@ -307,8 +335,12 @@ class CapturedGraph:
         return dict(Counter(op_name(n) for n in self.nodes()).most_common())
 
     def fingerprint(self) -> str:
-        """sha256 of a canonical description of the graph: same model structure and input shapes
-        give the same value in any process, on any device; any op or shape change changes it."""
+        """sha256 of a canonical description of the graph (ops, inputs, constants, shapes, dtypes,
+        FQNs, requires-grad of inputs): the same model structure and input shapes give the same
+        value in any process; any op or shape change changes it. Device names are left out, but
+        torch.export may record a different graph on another device type (on meta it keeps an
+        ``aten.contiguous`` that real CPU tensors elide), so compare captures made on the same
+        device type (meta is cheapest)."""
         if self._fingerprint is None:
             lines = [f"placeholder-info {self._placeholder_info(n)}" for n in self.graph.nodes
                      if n.op == "placeholder"]
@@ -318,9 +350,12 @@ class CapturedGraph:
 
     def _placeholder_info(self, node: fx.Node) -> str:
         name = node.name
-        source = (self.param_fqn.get(name) or self.buffer_fqn.get(name)
-                  or self.constant_fqn.get(name) or self.user_input_specs.get(name, ""))
-        return f"{name} {source} grad={self.requires_grad(name)}"
+        for kind, table in (("param", self.param_fqn), ("buffer", self.buffer_fqn),
+                            ("constant", self.constant_fqn), ("input", self.user_input_specs),
+                            ("tied-to", self.tied_placeholders)):
+            if name in table:
+                return f"{name} {kind}:{table[name]} grad={self.requires_grad(name)}"
+        return f"{name} other grad={self.requires_grad(name)}"
 
     def __repr__(self) -> str:
         return (f"CapturedGraph({self.name!r}: {sum(1 for _ in self.nodes())} ops, "
@@ -329,7 +364,7 @@ class CapturedGraph:
 
 # -- helpers -------------------------------------------------------------------------------------
 
-def _name(ref: "fx.Node | str") -> str:
+def _name(ref: NodeRef) -> str:
     return ref.name if isinstance(ref, fx.Node) else ref
 
 

@@ -1,6 +1,7 @@
-"""Model zoo: small and full-size presets with example inputs, ready for :func:`autoshard.capture.capture`.
+"""Model zoo: small and full-size presets with example inputs, ready for ``capture``.
 
-``build_model(name, device=..., batch=..., seq=..., **overrides)`` returns ``(model, args, kwargs)``.
+``build_model(name, device=..., batch=..., seq=..., **overrides)`` returns
+``(model, args, kwargs)``.
 Presets build on the ``meta`` device by default (no memory allocated); pass ``device="cpu"`` (or a
 GPU) for real weights. Besides preset names, ``name`` may be ``"path/to/file.py:factory"``, where
 ``factory(**overrides)`` returns ``(model, args, kwargs)`` or ``(model, args)``.
@@ -12,9 +13,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -99,49 +101,68 @@ def _construct(cls: type[nn.Module], device: torch.device, *, seed: int = 0,
     allowed = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise ModelZooError(f"{cls.__name__} has no option(s) {unknown}; options: {sorted(allowed)}")
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(seed)
+        raise ModelZooError(
+            f"{cls.__name__} has no option(s) {unknown}; options: {sorted(allowed)}")
+    with _seeded(device, seed):
         return cls(**overrides)
 
 
-# Hugging Face families: config class, model class, dropout fields, name of the layer-count field.
-_HF_FAMILIES: dict[str, dict[str, Any]] = {
-    "gpt2": dict(config="GPT2Config", model="GPT2LMHeadModel", layers="n_layer",
-                 dropouts=("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
-                 loss_type="ForCausalLM", mlm=False),
-    "llama": dict(config="LlamaConfig", model="LlamaForCausalLM", layers="num_hidden_layers",
-                  dropouts=("attention_dropout",), loss_type="ForCausalLM", mlm=False),
-    "bert": dict(config="BertConfig", model="BertForMaskedLM", layers="num_hidden_layers",
-                 dropouts=("hidden_dropout_prob", "attention_probs_dropout_prob"),
-                 loss_type="ForMaskedLM", mlm=True),
+@contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Build on ``device`` with a fixed seed, leaving the caller's RNG state as it was."""
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), torch.device(device):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass(frozen=True)
+class _HFFamily:
+    config: str                      # transformers config class
+    model: str                       # transformers model class
+    layers: str                      # config field holding the layer count
+    dropouts: tuple[str, ...]        # config fields set by dropout=
+    loss_type: str
+    learned_positions: bool          # position table limits seq (RoPE does not)
+
+
+_HF_FAMILIES = {
+    "gpt2": _HFFamily("GPT2Config", "GPT2LMHeadModel", "n_layer",
+                      ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
+                      "ForCausalLM", learned_positions=True),
+    "llama": _HFFamily("LlamaConfig", "LlamaForCausalLM", "num_hidden_layers",
+                       ("attention_dropout",), "ForCausalLM", learned_positions=False),
+    "bert": _HFFamily("BertConfig", "BertForMaskedLM", "num_hidden_layers",
+                      ("hidden_dropout_prob", "attention_probs_dropout_prob"), "ForMaskedLM",
+                      learned_positions=True),
 }
 
 
 def _hf_preset(family: str, **config: Any) -> Callable[..., Built]:
     def build(device: torch.device, batch: int, seq: int, **overrides: Any) -> Built:
-        return _build_hf(family, dict(config), device, batch, seq, **overrides)
+        return _build_hf(_HF_FAMILIES[family], dict(config), device, batch, seq, **overrides)
     return build
 
 
-def _build_hf(family: str, config: dict[str, Any], device: torch.device, batch: int, seq: int,
-              *, num_layers: int | None = None, dropout: float = 0.0, dtype: torch.dtype | None = None,
-              seed: int = 0, **overrides: Any) -> Built:
-    fam = _HF_FAMILIES[family]
+def _build_hf(fam: _HFFamily, config: dict[str, Any], device: torch.device, batch: int, seq: int,
+              *, num_layers: int | None = None, dropout: float = 0.0,
+              dtype: torch.dtype | None = None, seed: int = 0, **overrides: Any) -> Built:
     transformers = _import_transformers()
-    config_cls = getattr(transformers, fam["config"])
+    config_cls = getattr(transformers, fam.config)
     _check_config_keys(config_cls, overrides)
-    config.update({k: dropout for k in fam["dropouts"]})
+    config.update({k: dropout for k in fam.dropouts})
     if num_layers is not None:
-        config[fam["layers"]] = num_layers
+        config[fam.layers] = num_layers
     config.update(overrides)
     cfg = config_cls(pad_token_id=_PAD, bos_token_id=_BOS, eos_token_id=_EOS, use_cache=False,
                      attn_implementation="sdpa", **config)
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(seed)
-        model = getattr(transformers, fam["model"])(cfg)
+    if fam.learned_positions and seq > cfg.max_position_embeddings:
+        raise ModelZooError(f"seq {seq} exceeds the {cfg.max_position_embeddings} positions of "
+                            f"this preset; pass max_position_embeddings={seq} as well")
+    with _seeded(device, seed):
+        model = getattr(transformers, fam.model)(cfg)
     # transformers guesses the loss from the class name and warns for GPT2LMHeadModel.
-    model.loss_type = fam["loss_type"]
+    model.loss_type = fam.loss_type
     if dtype is not None:
         model = model.to(dtype)
     model.train()
@@ -190,15 +211,11 @@ def _import_transformers() -> Any:
             "pip install autoshard[hf]") from e
 
 
-def _tiny_llm(family: str) -> dict[str, Any]:
-    common = dict(vocab_size=128, intermediate_size=64)
-    if family == "gpt2":
-        return dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    if family == "llama":
-        return dict(common, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64)
-    return dict(common, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=64)
+_TINY_GPT2 = dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+_TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_TINY_BERT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
 
 
 def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
@@ -213,17 +230,20 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("mlp", "3-layer MLP (GELU/ReLU); input (batch, features)", _build_mlp, 8, None),
     Preset("cnn", "2 conv/bn/relu blocks, pools, linear; input (batch, 3, seq, seq)",
            _build_cnn, 4, 16),
-    Preset("gpt2-tiny", "GPT-2 LM, 2 layers, hidden 32, vocab 128", _hf_preset("gpt2", **_tiny_llm("gpt2")), 2, 16),
+    Preset("gpt2-tiny", "GPT-2 LM, 2 layers, hidden 32, vocab 128",
+           _hf_preset("gpt2", **_TINY_GPT2), 2, 16),
     Preset("llama-tiny", "Llama LM with GQA (4 heads, 2 kv heads), 2 layers, hidden 32, vocab 128",
-           _hf_preset("llama", **_tiny_llm("llama")), 2, 16),
+           _hf_preset("llama", **_TINY_LLAMA), 2, 16),
     Preset("bert-tiny", "BERT masked LM, 2 layers, hidden 32, vocab 128",
-           _hf_preset("bert", **_tiny_llm("bert")), 2, 16),
-    Preset("gpt2", "GPT-2 124M: 12 layers, hidden 768", _hf_preset("gpt2", **_GPT2, n_embd=768, n_layer=12, n_head=12), 8, 1024),
+           _hf_preset("bert", **_TINY_BERT), 2, 16),
+    Preset("gpt2", "GPT-2 124M: 12 layers, hidden 768",
+           _hf_preset("gpt2", **_GPT2, n_embd=768, n_layer=12, n_head=12), 8, 1024),
     Preset("gpt2-xl", "GPT-2 XL 1.5B: 48 layers, hidden 1600",
            _hf_preset("gpt2", **_GPT2, n_embd=1600, n_layer=48, n_head=25), 8, 1024),
     Preset("bert-base", "BERT-base masked LM: 12 layers, hidden 768",
            _hf_preset("bert", vocab_size=30522, hidden_size=768, num_hidden_layers=12,
-                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512), 8, 512),
+                      num_attention_heads=12, intermediate_size=3072,
+                      max_position_embeddings=512), 8, 512),
     Preset("llama-7b", "Llama-2 7B: 32 layers, hidden 4096, ffn 11008, 32 heads",
            _hf_preset("llama", **_llama(4096, 11008, 32, 32, 32)), 8, 2048),
     Preset("llama-13b", "Llama-2 13B: 40 layers, hidden 5120, ffn 13824, 40 heads",
