@@ -102,8 +102,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     from .handlers import handler_for
 
     path = graph.module_path(node)
-    if node.op == "placeholder":
-        return NodeStrategies(node.name, "placeholder", path, _placeholder_strategies(graph, node, mesh), [])
+    if node.op in ("placeholder", "get_attr"):   # get_attr: e.g. the body of a higher-order op
+        return NodeStrategies(node.name, node.op, path, _placeholder_strategies(graph, node, mesh), [])
     if node.op == "output":
         strategies, operands = _output_strategies(graph, node)
         return NodeStrategies(node.name, "output", path, strategies, operands)

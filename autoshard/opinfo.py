@@ -131,8 +131,8 @@ class OpInfo:
             tuple((m.shape, m.dtype, self.operand_requires_grad(j), self.operand_is_param(j))
                   for j, m in enumerate(self.operands)),
             tuple(None if m is None else (m.shape, m.dtype) for m in self.outputs),
-            _freeze(pytree.tree_map(lambda x: ("node", tensor_operand_nodes_index(self, x))
-                                    if isinstance(x, fx.Node) else x, (self.node.args, self.node.kwargs))),
+            _freeze(pytree.tree_map(lambda x: _node_key(self, x) if isinstance(x, fx.Node) else x,
+                                    (self.node.args, self.node.kwargs))),
             self.mesh.shape,
         )
 
@@ -147,6 +147,14 @@ def tensor_operand_nodes_index(op: OpInfo, x: fx.Node) -> int:
         return op.operand_nodes.index(x)
     except ValueError:
         return -1
+
+
+def _node_key(op: OpInfo, x: fx.Node) -> tuple:
+    """A node argument in a signature: its operand index, or the sub-graph a get_attr names
+    (two higher-order ops with different bodies must not share strategies or a profile)."""
+    if x.op == "get_attr":
+        return ("attr", x.target)
+    return ("node", tensor_operand_nodes_index(op, x))
 
 
 def op_name(target: Any) -> str:
@@ -196,8 +204,7 @@ def _measure(key: _ProfileKey) -> OpProfile:
     inputs = [torch.empty(m.shape, dtype=m.dtype, device="meta",
                           requires_grad=op.operand_requires_grad(j)) for j, m in enumerate(metas)]
     by_node = dict(zip(op.operand_nodes, inputs))
-    args, kwargs = pytree.tree_map(lambda x: by_node.get(x, x) if isinstance(x, fx.Node) else x,
-                                   (op.node.args, op.node.kwargs))
+    args, kwargs = pytree.tree_map(lambda x: _profile_arg(x, by_node), (op.node.args, op.node.kwargs))
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +230,34 @@ def _measure(key: _ProfileKey) -> OpProfile:
                      tuple(_classify_saved(saved, inputs, outs)))
 
 
+def _profile_arg(x: Any, by_node: dict) -> Any:
+    """An argument for the meta run: a node's meta tensor, the sub-graph a get_attr names (the
+    body of a higher-order op such as wrap_with_set_grad_enabled), and ``meta`` for a device (a
+    captured ``to(device)`` or factory device must not leave the meta device)."""
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    if not isinstance(x, fx.Node):
+        return x
+    if x in by_node:
+        return by_node[x]
+    if x.op == "get_attr":
+        sub = getattr(x.graph.owning_module, x.target)  # type: ignore[arg-type]
+        return _devices_to_meta(sub) if isinstance(sub, fx.GraphModule) else sub
+    return x
+
+
+def _devices_to_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a sub-graph whose captured device arguments all say ``meta``."""
+    import copy
+
+    gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        node.args, node.kwargs = pytree.tree_map(
+            lambda v: torch.device("meta") if isinstance(v, torch.device) else v, (node.args, node.kwargs))
+    gm.recompile()
+    return gm
+
+
 def _classify_saved(saved: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                     outs: Sequence[torch.Tensor]) -> list[SavedTensor]:
     result: list[SavedTensor] = []
@@ -246,3 +281,8 @@ def _match(t: torch.Tensor, candidates: Sequence[torch.Tensor], kind: str) -> tu
         if t.numel() == c.numel() and t.dtype == c.dtype:
             return (kind, i)
     return None
+
+
+def clear_profile_cache() -> None:
+    """Forget measured op profiles (benchmarks use it to time cold runs)."""
+    _measure.cache_clear()

@@ -6,7 +6,8 @@ forward all-reduces are applied (summing over the reduced axes), and the result 
 the matching shard of the unsharded op's output. Backward likewise: each device back-propagates
 its shard of a random output gradient (the forward all-reduce's backward is the identity), the
 strategy's backward all-reduces are applied, and the input gradients are compared with the
-shards of the unsharded op's gradients.
+shards of the unsharded op's gradients. Operands the op updates in place (batch-norm running
+stats) are compared after the op with the shards of the unsharded op's updated values.
 
 Devices run as threads of one process; kernels that need a collective inside the op (sync
 batch-norm statistics, a global token count) get a :class:`SimulatedComm` whose all-reduce meets
@@ -177,7 +178,8 @@ def check_strategy(op: OpInfo, handler, strategy: Strategy, values: Sequence[tor
     ref_kernel = handler.kernel(op, _replicated_like(strategy))
     ref_out = run_on_simulated_mesh((1, 1), lambda c, comm: _run(ref_kernel, op, g_inputs, comm))[(0, 0)]
     gen = torch.Generator().manual_seed(seed)
-    grad_out = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.requires_grad else None for o in ref_out]
+    grad_out = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o is not None and o.requires_grad
+                else None for o in ref_out]
     ref_grads = _grads(ref_out, grad_out, g_inputs)
 
     kernel = handler.kernel(op, strategy)
@@ -207,6 +209,12 @@ def check_strategy(op: OpInfo, handler, strategy: Strategy, values: Sequence[tor
             want = shard_of(ref.detach(), spec, mesh_shape, c)
             _assert_close(o.detach(), want, rtol, atol, f"{op.describe()} strategy {strategy.name!r}: "
                                                         f"forward output {j} on device {c}")
+        # Operands updated in place (batch-norm running stats, a step counter) must hold the
+        # shard of what the unsharded op left in them; untouched operands trivially do.
+        for j, (t, ref_in) in enumerate(zip(local_in[c], g_inputs)):
+            want = shard_of(ref_in.detach(), strategy.input_specs[j], mesh_shape, c)
+            _assert_close(t.detach(), want, rtol, atol, f"{op.describe()} strategy {strategy.name!r}: "
+                                                        f"operand {j} after the op on device {c}")
         g_local = [None if g is None else shard_of(g, s, mesh_shape, c)
                    for g, s in zip(grad_out, strategy.output_specs)]
         return _grads(outs_t, g_local, local_in[c])
@@ -228,7 +236,8 @@ def check_strategy(op: OpInfo, handler, strategy: Strategy, values: Sequence[tor
 def _replicated_like(strategy: Strategy) -> Strategy:
     """The all-replicated counterpart (for the reference kernel: no tags, so no special-casing)."""
     return Strategy("reference", tuple(ShardSpec.replicate(s.ndim) for s in strategy.input_specs),
-                    strategy.output_specs, 0.0, 0.0, (), strategy.memory)
+                    tuple(None if s is None else ShardSpec.replicate(s.ndim) for s in strategy.output_specs),
+                    0.0, 0.0, (), strategy.memory)
 
 
 def _grads(outs: Sequence[torch.Tensor], grad_out: Sequence[torch.Tensor | None],

@@ -1,0 +1,502 @@
+"""Views and shape ops: reshape/view, permutations, expand, slicing and indexing, split/cat, casts.
+
+One mechanism serves the family: a *dim map* says which output dim each input dim becomes, and a
+mesh axis may shard an input dim exactly when the dim map carries it to an output dim (the output
+is then sharded there). Per op only the dim map differs:
+
+- reshape-like ops (view, reshape, flatten, unflatten, squeeze, unsqueeze): an input dim may stay
+  sharded when it is the outermost non-1 dim right after a boundary shared by input and output
+  (the products of the dims before it agree): splitting it into k blocks then splits the flat
+  remainder into the same k contiguous blocks on both sides, so the local reshape is correct.
+  A dim inside a flattened/split group is never sharded (that would be a strided layout).
+- permutations (permute, transpose, t, movedim, ...): the dim moves with the permutation.
+- expand: kept dims carry their sharding; an expanded (broadcast) output dim may be sharded
+  with the input replicated (the input's gradient is then a partial sum, all-reduced).
+- slice/narrow/select/index/gather/split/cat: the dim that is cut, indexed, split or joined stays
+  replicated (unless a slice covers it fully); every other dim carries its sharding. Index
+  tensors may instead be sharded on their own (batch) dims, which shards the output there.
+
+Local kernels rewrite size arguments to local sizes (view/reshape/expand/unflatten shapes).
+Casts (``to.*``, ``type_as``) keep the local shard's device: the device captured in the graph is
+the capture device (often ``meta``), never the rank's.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..opinfo import OpInfo
+from ..strategy import AxisOption, Strategy
+from .registry import LocalKernel, default_kernel, register
+
+aten = torch.ops.aten
+
+DimPairs = list[tuple[int, int]]
+
+
+# -- helpers shared with factory.py --------------------------------------------------------------
+
+def bound_args(op: OpInfo) -> dict[str, Any]:
+    """The aten call's arguments by schema name, defaults filled in."""
+    schema = op.target._schema
+    out: dict[str, Any] = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(op.args):
+            out[a.name] = op.args[i]
+        elif a.name in op.node.kwargs:
+            out[a.name] = op.node.kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def with_arg(op: OpInfo, index: int, value: Any) -> tuple[tuple, dict]:
+    """The node's args/kwargs with schema argument ``index`` replaced by ``value``."""
+    args, kwargs = list(op.args), dict(op.node.kwargs)
+    name = op.target._schema.arguments[index].name
+    if index < len(args):
+        args[index] = value
+    else:
+        kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def local_out_shape(op: OpInfo, strategy: Strategy, j: int = 0) -> list[int]:
+    meta, spec = op.outputs[j], strategy.output_specs[j]
+    assert meta is not None and spec is not None
+    return list(spec.local_shape(meta.shape, op.mesh.shape))
+
+
+def pair_options(pairs: DimPairs, n_outputs: int = 1, extra_inputs: int = 0) -> list[AxisOption]:
+    """One option per (input dim, output dim) pair of a single-tensor op; every output follows.
+
+    ``extra_inputs`` further operands stay replicated."""
+    return [AxisOption((i,) + (None,) * extra_inputs, (o,) * n_outputs, f"d{i}") for i, o in pairs]
+
+
+def free_operand_options(options: Sequence[AxisOption], free: dict[int, int], n_inputs: int,
+                         n_outputs: int) -> list[AxisOption]:
+    """Add variants where operands read only for metadata (dtype/device) take any layout.
+
+    ``free`` maps operand index -> rank. Their layout never changes the result, so forcing them
+    replicated would only charge a pointless resharding on their edge.
+    """
+    base = [AxisOption((None,) * n_inputs, (None,) * n_outputs, "R"), *options]
+    out: list[AxisOption] = []
+    seen = set()
+    for opt in base:
+        variants = [opt]
+        for j, rank in free.items():
+            variants = variants + [
+                AxisOption(tuple(d if k == j else x for k, x in enumerate(v.inputs)), v.outputs,
+                           f"{v.tag}+in{j}d{d}")
+                for v in variants if v.inputs[j] is None for d in range(rank)]
+        for v in variants:
+            key = (v.inputs, v.outputs)
+            if v.splits_compute and key not in seen:
+                seen.add(key)
+                out.append(v)
+    return out
+
+
+def sized_kernel(arg_index: int, sizes: Callable[[OpInfo, Strategy], Any]):
+    """Kernel: the node's op with schema argument ``arg_index`` replaced by local sizes."""
+
+    def kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+        args, kwargs = with_arg(op, arg_index, sizes(op, strategy))
+        return LocalKernel(op.target, args, kwargs)
+
+    return kernel
+
+
+# -- reshape-like ops ----------------------------------------------------------------------------
+
+def reshape_pairs(in_shape: Sequence[int], out_shape: Sequence[int]) -> DimPairs:
+    """(input dim, output dim) pairs a reshape carries a sharding through (see module doc)."""
+    if math.prod(in_shape) == 0:
+        return []
+    out_at_prefix = {}
+    prefix = 1
+    for e, s in enumerate(out_shape):
+        if s > 1:
+            out_at_prefix[prefix] = e
+        prefix *= s
+    pairs = []
+    prefix = 1
+    for d, s in enumerate(in_shape):
+        if s > 1 and prefix in out_at_prefix:
+            pairs.append((d, out_at_prefix[prefix]))
+        prefix *= s
+    return pairs
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
+             aten.squeeze.dims, aten.unsqueeze.default)
+
+
+def _reshape_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    if op.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        args, kwargs = with_arg(op, 1, local_out_shape(op, strategy))
+        return LocalKernel(op.target, args, kwargs)
+    if op.target is aten.unflatten.int:
+        a = bound_args(op)
+        dim = norm_dim(a["dim"], len(op.shape(0)))
+        args, kwargs = with_arg(op, 2, local_out_shape(op, strategy)[dim:dim + len(a["sizes"])])
+        return LocalKernel(op.target, args, kwargs)
+    if op.target in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
+        # A sharded dim may be 1 locally: squeeze only the (asked-for) dims that are 1 globally.
+        ndim = len(op.shape(0))
+        asked = op.args[1] if len(op.args) > 1 else op.node.kwargs.get("dim", range(ndim))
+        asked = {norm_dim(d, ndim) for d in ([asked] if isinstance(asked, int) else asked)}
+        ones = [d for d, s in enumerate(op.shape(0)) if s == 1 and d in asked]
+        return LocalKernel(aten.squeeze.dims, (op.args[0], ones), {})
+    return default_kernel(op, strategy)
+
+
+@register(*_RESHAPES, family="view", free=True, kernel=_reshape_kernel,
+          doc="reshape-like: an input dim stays sharded when it leads a group shared with the output")
+def reshape_rules(op: OpInfo) -> list[AxisOption]:
+    """view/reshape/flatten/unflatten/squeeze/unsqueeze(x, ...)"""
+    return pair_options(reshape_pairs(op.shape(0), op.out_shape))
+
+
+@register(aten.view_as.default, family="view", free=True,
+          doc="view_as(x, other): reshape rule; other (shape only) is laid out like the output")
+def view_as_rules(op: OpInfo) -> list[AxisOption]:
+    return [AxisOption((i, o), (o,), f"d{i}") for i, o in reshape_pairs(op.shape(0), op.out_shape)]
+
+
+# -- permutations --------------------------------------------------------------------------------
+
+_PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default,
+             aten.mT.default, aten.adjoint.default, aten.movedim.int, aten.movedim.intlist,
+             aten.swapaxes.default, aten.swapdims.default)
+
+
+def permutation_pairs(op: OpInfo) -> DimPairs:
+    """Which input dim each output dim is, found by running the op on a meta tensor whose strides
+    tag the dims (a permutation only reorders strides). One rule for every permuting view."""
+    shape = op.shape(0)
+    strides = [1 << d for d in range(len(shape))]
+    x = torch.empty_strided(shape, strides, dtype=op.operands[0].dtype, device="meta")
+    args = [x if isinstance(a, fx.Node) else a for a in op.args]
+    out = op.target(*args, **op.node.kwargs)
+    got = list(out.stride())
+    if sorted(got) != sorted(strides):
+        raise ValueError(f"{op.describe()} is not a permutation of its input dims (strides {got})")
+    return [(strides.index(s), o) for o, s in enumerate(got) if shape[strides.index(s)] > 1]
+
+
+@register(*_PERMUTES, family="view", free=True, doc="permutation: each dim keeps its sharding")
+def permute_rules(op: OpInfo) -> list[AxisOption]:
+    """permute/transpose/t/movedim/swapaxes(x, ...)"""
+    return pair_options(permutation_pairs(op))
+
+
+# -- expand --------------------------------------------------------------------------------------
+
+def expand_options(in_shape: Sequence[int], out_shape: Sequence[int], n_inputs: int,
+                   other: int | None = None) -> list[AxisOption]:
+    """Kept dims carry their sharding; a broadcast output dim may be sharded from a replicated
+    input. ``other`` (expand_as) is an operand shaped like the output, laid out like it."""
+    lead = len(out_shape) - len(in_shape)
+    options = []
+    for o, size in enumerate(out_shape):
+        if size <= 1:
+            continue
+        i = o - lead
+        kept = i >= 0 and in_shape[i] == size
+        inputs: list = [None] * n_inputs
+        inputs[0] = i if kept else None
+        if other is not None:
+            inputs[other] = o
+        options.append(AxisOption(tuple(inputs), (o,), f"d{o}" if kept else f"b{o}"))
+    return options
+
+
+@register(aten.expand.default, family="view", free=True,
+          kernel=sized_kernel(1, lambda op, s: local_out_shape(op, s)),
+          doc="expand: kept dims follow the input; broadcast dims may be sharded from a replicated input")
+def expand_rules(op: OpInfo) -> list[AxisOption]:
+    """expand(x, size)"""
+    return expand_options(op.shape(0), op.out_shape, 1)
+
+
+@register(aten.expand_as.default, family="view", free=True,
+          doc="expand_as(x, other): as expand; other (shape only) is laid out like the output")
+def expand_as_rules(op: OpInfo) -> list[AxisOption]:
+    return expand_options(op.shape(0), op.out_shape, 2, other=1)
+
+
+@register(aten.repeat.default, family="view",
+          doc="repeat: only dims repeated once carry their sharding")
+def repeat_rules(op: OpInfo) -> list[AxisOption]:
+    """repeat(x, repeats): a repeated dim is [x, x, ...], not a blockwise function of x."""
+    shape, reps = op.shape(0), list(bound_args(op)["repeats"])
+    lead = len(reps) - len(shape)
+    return pair_options([(i, i + lead) for i, s in enumerate(shape) if s > 1 and reps[i + lead] == 1])
+
+
+# -- slicing and indexing ------------------------------------------------------------------------
+
+def _other_dims(ndim: int, dim: int, shift: int = 0) -> DimPairs:
+    """Every dim but ``dim`` maps to itself; those after it move by ``shift``."""
+    return [(d, d if d < dim else d + shift) for d in range(ndim) if d != dim]
+
+
+def _slice_is_full(size: int, start: int | None, end: int | None, step: int) -> bool:
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return step == 1 and max(start, 0) == 0 and end >= size
+
+
+def _sliced_dim(op: OpInfo) -> tuple[int, bool]:
+    """(the dim a slice/narrow cuts, whether it keeps the whole dim)."""
+    a = bound_args(op)
+    size_of = op.shape(0)
+    dim = norm_dim(a["dim"], len(size_of))
+    if op.target is aten.narrow.default:
+        full = _slice_is_full(size_of[dim], a["start"], a["start"] + a["length"], 1)
+    else:
+        full = _slice_is_full(size_of[dim], a["start"], a["end"], a["step"])
+    return dim, full
+
+
+def _slice_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    dim, full = _sliced_dim(op)
+    if full and strategy.input_specs[0].dims[dim]:
+        return LocalKernel(aten.alias.default, (op.args[0],), {})   # whole dim: the local shard
+    return default_kernel(op, strategy)
+
+
+@register(aten.slice.Tensor, aten.narrow.default, family="view", free=True, kernel=_slice_kernel,
+          doc="slice/narrow: the sliced dim stays replicated unless the slice keeps all of it")
+def slice_rules(op: OpInfo) -> list[AxisOption]:
+    """slice(x, dim, start, end, step) / narrow(x, dim, start, length)"""
+    dim, full = _sliced_dim(op)
+    ndim = len(op.shape(0))
+    keep = range(ndim) if full else [d for d in range(ndim) if d != dim]
+    return pair_options([(d, d) for d in keep if op.shape(0)[d] > 1])
+
+
+@register(aten.select.int, family="view", free=True, doc="select: the selected dim stays replicated")
+def select_rules(op: OpInfo) -> list[AxisOption]:
+    """select(x, dim, index)"""
+    ndim = len(op.shape(0))
+    return pair_options(_other_dims(ndim, norm_dim(bound_args(op)["dim"], ndim), shift=-1))
+
+
+@register(aten.index_select.default, family="index",
+          doc="index_select: shard a dim other than dim, or shard the index (x replicated)")
+def index_select_rules(op: OpInfo) -> list[AxisOption]:
+    """index_select(x, dim, index[n]) -> x with dim replaced by n"""
+    ndim = len(op.shape(0))
+    dim = norm_dim(bound_args(op)["dim"], ndim)
+    options = [AxisOption((d, None), (d,), f"d{d}") for d in range(ndim) if d != dim]
+    if op.shape(1) and op.shape(1)[0] > 1:
+        options.append(AxisOption((None, 0), (dim,), "index"))
+    return options
+
+
+@register(aten.gather.default, family="index",
+          doc="gather: shard a non-gathered dim of x, index and output alike, or the index on dim")
+def gather_rules(op: OpInfo) -> list[AxisOption]:
+    """gather(x, dim, index) -> shape of index; out[..i..] = x[..index[..i..]..] along dim."""
+    x_shape, idx_shape = op.shape(0), op.shape(1)
+    dim = norm_dim(bound_args(op)["dim"], len(x_shape))
+    # On other dims index may be shorter than x: the blocks only line up when the sizes agree.
+    options = [AxisOption((d, d), (d,), f"d{d}") for d in range(len(x_shape))
+               if d != dim and x_shape[d] == idx_shape[d]]
+    options.append(AxisOption((None, dim), (dim,), "index"))
+    return options
+
+
+def index_layout(op: OpInfo) -> tuple[dict[int, int], list[tuple[int, list[int | None]]]]:
+    """For ``x[indices]``: where each non-indexed dim of x lands in the output, and for each dim
+    of the broadcast index shape, its output dim and each index operand's matching dim (None
+    where that index broadcasts)."""
+    x_shape = op.shape(0)
+    indices = list(op.args[1])
+    positions = [i for i, t in enumerate(indices) if t is not None]
+    shapes = [op.shape(1 + k) for k in range(len(positions))]
+    b_rank = max(len(s) for s in shapes)
+    b_shape = [max([s[d - (b_rank - len(s))] for s in shapes if d - (b_rank - len(s)) >= 0])
+               for d in range(b_rank)]
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    kept = [d for d in range(len(x_shape)) if d not in positions]
+    x_map = {}
+    for d in kept:
+        if adjacent:
+            x_map[d] = d if d < start else d - len(positions) + b_rank
+        else:
+            x_map[d] = b_rank + kept.index(d)
+    batch = []
+    for b in range(b_rank):
+        dims = []
+        for s in shapes:
+            a = b - (b_rank - len(s))
+            dims.append(a if a >= 0 and s[a] == b_shape[b] and s[a] > 1 else None)
+        batch.append((start + b, dims))
+    expected = [0] * (len(x_shape) - len(positions) + b_rank)
+    for d, o in x_map.items():
+        expected[o] = x_shape[d]
+    for (o, _), size in zip(batch, b_shape):
+        expected[o] = size
+    if tuple(expected) != op.out_shape:
+        raise ValueError(f"{op.describe()}: cannot place the dims of x{list(x_shape)} indexed at "
+                         f"{positions} in the output {op.out_shape}; this indexing form is unsupported")
+    return x_map, batch
+
+
+@register(aten.index.Tensor, family="index",
+          doc="x[i0, i1, ...]: shard a non-indexed dim of x, or an index batch dim (x replicated)")
+def index_rules(op: OpInfo) -> list[AxisOption]:
+    """index(x, [idx or None, ...]): indexed dims of x stay replicated. Boolean masks (data-
+    dependent shapes) are replicate-only."""
+    n = len(op.operands)
+    if n == 1 or any(m.dtype == torch.bool for m in op.operands[1:]):
+        return []
+    x_map, batch = index_layout(op)
+    options = [AxisOption((d,) + (None,) * (n - 1), (o,), f"d{d}") for d, o in x_map.items()
+               if op.shape(0)[d] > 1]
+    for o, dims in batch:
+        if any(d is not None for d in dims):
+            options.append(AxisOption((None, *dims), (o,), f"i{o}"))
+    return options
+
+
+# -- split / cat ---------------------------------------------------------------------------------
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, family="view",
+          free=True, doc="split/chunk: the split dim stays replicated; every piece follows the input")
+def split_rules(op: OpInfo) -> list[AxisOption]:
+    """split(x, size|sizes, dim) / chunk(x, chunks, dim) -> pieces"""
+    ndim = len(op.shape(0))
+    dim = norm_dim(bound_args(op)["dim"], ndim)
+    return pair_options(_other_dims(ndim, dim), n_outputs=len(op.outputs))
+
+
+@register(aten.unbind.int, family="view", free=True,
+          doc="unbind: the unbound dim stays replicated; others follow the input")
+def unbind_rules(op: OpInfo) -> list[AxisOption]:
+    ndim = len(op.shape(0))
+    dim = norm_dim(bound_args(op)["dim"], ndim)
+    return pair_options(_other_dims(ndim, dim, shift=-1), n_outputs=len(op.outputs))
+
+
+def _joined(op: OpInfo, new_dim: bool) -> list[AxisOption]:
+    n = len(op.operands)
+    if n == 0:
+        return []
+    ranks = {len(m.shape) for m in op.operands}
+    if len(ranks) != 1:      # legacy cat of 1-D empty tensors with others: leave replicated
+        return []
+    ndim = ranks.pop()
+    out_rank = len(op.out_shape)
+    dim = norm_dim(bound_args(op)["dim"], out_rank)
+    options = []
+    for d in range(ndim):
+        o = d + 1 if new_dim and d >= dim else d
+        if new_dim or d != dim:
+            options.append(AxisOption((d,) * n, (o,), f"d{d}"))
+    return options
+
+
+@register(aten.cat.default, family="view",
+          doc="cat: the cat dim stays replicated; all inputs sharded alike on the others")
+def cat_rules(op: OpInfo) -> list[AxisOption]:
+    return _joined(op, new_dim=False)
+
+
+@register(aten.stack.default, family="view",
+          doc="stack: all inputs sharded alike; the new dim stays replicated")
+def stack_rules(op: OpInfo) -> list[AxisOption]:
+    return _joined(op, new_dim=True)
+
+
+# -- identity-like ops and casts -----------------------------------------------------------------
+
+def identity_pairs(op: OpInfo) -> DimPairs:
+    return [(d, d) for d, s in enumerate(op.shape(0)) if s > 1]
+
+
+@register(aten.alias.default, aten.detach.default, aten.detach_.default, family="view", free=True,
+          doc="alias/detach: output follows the input")
+def alias_rules(op: OpInfo) -> list[AxisOption]:
+    return pair_options(identity_pairs(op))
+
+
+@register(aten.contiguous.default, aten.clone.default, aten.lift_fresh_copy.default, family="view",
+          doc="contiguous/clone: output follows the input")
+def copy_rules(op: OpInfo) -> list[AxisOption]:
+    return pair_options(identity_pairs(op))
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype | None = None, copy: bool = False,
+          memory_format: torch.memory_format | None = None) -> torch.Tensor:
+    """The local cast: dtype/copy/memory format as captured, the device of the local shard."""
+    return x.to(dtype=x.dtype if dtype is None else dtype, copy=copy,
+                memory_format=memory_format or torch.preserve_format)
+
+
+def _cast_like(x: torch.Tensor, other: torch.Tensor, copy: bool = False,
+               memory_format: torch.memory_format | None = None) -> torch.Tensor:
+    return _cast(x, other.dtype, copy, memory_format)
+
+
+def _cast_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    a = bound_args(op)
+    copy = op.target is aten._to_copy.default or bool(a.get("copy"))
+    fmt = a.get("memory_format")
+    if op.target in (aten.to.other, aten.type_as.default):
+        return LocalKernel(_cast_like, (op.args[0], op.args[1]), {"copy": copy, "memory_format": fmt})
+    return LocalKernel(_cast, (op.args[0],), {"dtype": a.get("dtype"), "copy": copy, "memory_format": fmt})
+
+
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
+
+
+@register(*_CASTS, family="cast", kernel=_cast_kernel,
+          doc="cast: output follows the input (local shards keep their device)")
+def cast_rules(op: OpInfo) -> list[AxisOption]:
+    """to.dtype/to.dtype_layout/to.device/_to_copy(x, ...)"""
+    return pair_options(identity_pairs(op))
+
+
+@register(aten.to.other, aten.type_as.default, family="cast", kernel=_cast_kernel,
+          doc="cast to other's dtype: output follows x; other (dtype only) may be in any layout")
+def cast_like_rules(op: OpInfo) -> list[AxisOption]:
+    """to.other(x, other) / type_as(x, other)"""
+    return free_operand_options(pair_options(identity_pairs(op), extra_inputs=1),
+                                {1: len(op.shape(1))}, 2, 1)
+
+
+# -- getitem -------------------------------------------------------------------------------------
+
+def select_element(value: Any, index: int) -> Any:
+    """``value[index]`` of a multi-output node's local results. A bare tensor is taken to be that
+    element already (the single-process checker feeds the element itself)."""
+    return value if isinstance(value, torch.Tensor) else value[index]
+
+
+def _getitem_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    return LocalKernel(select_element, tuple(op.args), {})
+
+
+@register(operator.getitem, family="view", free=True, kernel=_getitem_kernel,
+          doc="getitem of a multi-output node: output spec = the element's spec")
+def getitem_rules(op: OpInfo) -> list[AxisOption]:
+    """getitem(producer, i): the operand is element i of the producer."""
+    if not op.operands or op.outputs[0] is None:
+        return []
+    return pair_options(identity_pairs(op))
