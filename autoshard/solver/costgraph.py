@@ -1,0 +1,892 @@
+"""The cost graph: graph nodes x strategies, data edges x resharding costs.
+
+:func:`build_cost_graph` turns a :class:`~autoshard.enumerate.StrategyTable` into what the ILP
+optimises over:
+
+- **Nodes** (:class:`CGNode`): one per graph node (placeholders, call_function nodes, the output),
+  or, with follower merging, one per producer with its followers folded in. Each node has a list
+  of strategies and, per strategy, its costs as numpy vectors (:class:`StrategyCosts`).
+- **Edges** (:class:`CGEdge`): one per (producer, consumer, operand) that carries a tensor. An
+  edge is priced over the *distinct* specs on each side (``src_specs`` x ``dst_specs``), not over
+  strategy pairs; ``src_index``/``dst_index`` map each strategy to its spec. The ILP's edge
+  variables live on that small spec grid.
+- **Segments**: the repeated-block instance (``model.layers.3``) a node belongs to, for the
+  per-segment activation-memory decisions.
+- **Aliases**: identical repeated blocks share decision variables (:meth:`CostGraph.variable_groups`,
+  :meth:`CostGraph.edge_groups`).
+
+Cost model (all seconds per training step, memory bytes per device):
+
+- a node's strategy costs its compute (fwd + bwd), its own collectives (fwd + bwd: e.g. the
+  all-reduce of a partial output, or of a partial input gradient) and, for merged nodes, the
+  resharding between its members;
+- an edge costs, forward, the cheapest resharding of the tensor from the producer's output spec
+  to the consumer's input spec. Backward, when the tensor requires grad and gradient flows
+  through the consumer, the consumer delivers the gradient of its input in its *input* spec
+  (strategies already include the all-reduce that resolves a partial gradient), and it is
+  resharded back to the producer's *output* spec: ``reshard_cost(dst -> src)``.
+
+:meth:`CostGraph.evaluate` is the reference for one full assignment; the ILP must reproduce it.
+It does with this formulation: per variable group ``g`` one-hot ``x[g][c]``, costing
+``g.count * costs.time()[c]`` (all nodes of a group have identical costs); per edge group ``eg``
+``y[eg][a, b] >= 0`` on the spec grid with ``sum_b y[a, b] = sum(x[src_group][c] for c with
+src_index[c] == a)`` and ``sum_a y[a, b] = sum(x[dst_group][c] for c with dst_index[c] == b)``,
+costing ``eg.count * (fwd + bwd)[a, b]``. With one-hot ``x`` both marginals are one-hot, so
+``y`` is exactly the chosen spec pair.
+
+Shared arrays (cost vectors, index maps, edge matrices) are read-only: identical nodes share them.
+"""
+from __future__ import annotations
+
+import operator
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from ..capture import CapturedGraph, TensorMeta
+from ..enumerate import StrategyTable
+from ..hardware import HardwareProfile
+from ..mesh import MeshSpec
+from ..opinfo import op_name
+from ..reshard import ReshardTable, reshard_table
+from ..specs import ShardSpec
+from ..strategy import BWD, FWD, CommAction, MemoryCost, Strategy
+
+__all__ = [
+    "CGEdge", "CGNode", "CostBreakdown", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
+    "StrategyCosts", "VariableGroup", "block_of", "build_cost_graph",
+]
+
+FOLLOWER_FAMILIES = frozenset({"view", "cast", "pointwise", "meta"})
+"""Handler families whose single-operand nodes may be merged into their producer."""
+
+_NUMERIC = re.compile(r"\d+")
+
+
+# -- data --------------------------------------------------------------------------------------------
+
+@dataclass
+class StrategyCosts:
+    """Per-strategy costs of a node as vectors (index = strategy index).
+
+    Times in seconds: ``compute_*`` (roofline), ``comm_*`` (the strategies' own collectives),
+    ``reshard_*`` (resharding between the members of a merged node; zero otherwise). Memory in
+    bytes per device; ``params``/``grads`` are nonzero only at placeholders (parameters are
+    counted where they are stored, not again at each op that reads them).
+    """
+
+    compute_fwd: np.ndarray
+    compute_bwd: np.ndarray
+    comm_fwd: np.ndarray
+    comm_bwd: np.ndarray
+    reshard_fwd: np.ndarray
+    reshard_bwd: np.ndarray
+    params: np.ndarray
+    grads: np.ndarray
+    saved: np.ndarray
+    outputs: np.ndarray
+
+    TIME_FIELDS = ("compute_fwd", "compute_bwd", "comm_fwd", "comm_bwd", "reshard_fwd", "reshard_bwd")
+    MEMORY_FIELDS = ("params", "grads", "saved", "outputs")
+
+    @staticmethod
+    def of(strategies: Sequence[Strategy]) -> "StrategyCosts":
+        """Costs of plain (unmerged) strategies."""
+        n = len(strategies)
+        return StrategyCosts(
+            compute_fwd=np.array([s.compute_fwd for s in strategies], dtype=float),
+            compute_bwd=np.array([s.compute_bwd for s in strategies], dtype=float),
+            comm_fwd=np.array([s.comm_time(FWD) for s in strategies], dtype=float),
+            comm_bwd=np.array([s.comm_time(BWD) for s in strategies], dtype=float),
+            reshard_fwd=np.zeros(n), reshard_bwd=np.zeros(n),
+            params=np.array([s.memory.params for s in strategies], dtype=np.int64),
+            grads=np.array([s.memory.grads for s in strategies], dtype=np.int64),
+            saved=np.array([s.memory.saved for s in strategies], dtype=np.int64),
+            outputs=np.array([s.memory.outputs for s in strategies], dtype=np.int64),
+        )
+
+    def time(self) -> np.ndarray:
+        """Total seconds per strategy (compute + comm + internal resharding, fwd + bwd)."""
+        return sum((getattr(self, f) for f in self.TIME_FIELDS), np.zeros(len(self.compute_fwd)))
+
+    def take(self, rows: np.ndarray) -> "StrategyCosts":
+        """The costs of strategies ``rows`` (new arrays)."""
+        return StrategyCosts(**{f: getattr(self, f)[rows] for f in self.TIME_FIELDS + self.MEMORY_FIELDS})
+
+    def plus(self, other: "StrategyCosts") -> "StrategyCosts":
+        """Element-wise sum (new arrays)."""
+        return StrategyCosts(**{f: getattr(self, f) + getattr(other, f)
+                                for f in self.TIME_FIELDS + self.MEMORY_FIELDS})
+
+    def readonly(self) -> "StrategyCosts":
+        """Mark the arrays read-only (they may be shared between nodes) and return self."""
+        for f in self.TIME_FIELDS + self.MEMORY_FIELDS:
+            getattr(self, f).flags.writeable = False
+        return self
+
+
+@dataclass
+class CGNode:
+    """A decision node: one graph node, or a producer with its merged followers.
+
+    ``members`` are the graph nodes it covers, representative first. ``member_index[m][c]`` is the
+    index, in the strategy table, of member ``m``'s strategy when this node runs its strategy
+    ``c``; ``member_strategies[m]`` is that member's strategy list in the table.
+    """
+
+    name: str
+    kind: str                                   # "placeholder" | "call_function" | "output" | ...
+    members: list[str]
+    strategies: list[Strategy]
+    member_index: dict[str, np.ndarray]
+    member_strategies: dict[str, list[Strategy]]
+    costs: StrategyCosts
+    segment: str | None = None
+    alias: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+    def member_strategy(self, member: str, c: int) -> Strategy:
+        """The table strategy member ``member`` runs under this node's strategy ``c``."""
+        return self.member_strategies[member][int(self.member_index[member][c])]
+
+    def output_spec(self, member: str, c: int, output: int = 0) -> ShardSpec | None:
+        """Spec of output ``output`` of ``member`` under strategy ``c``."""
+        return self.member_strategy(member, c).output_specs[output]
+
+    @property
+    def group(self) -> str:
+        """Key of the decision group (its alias class, or its own name)."""
+        return self.alias or self.name
+
+
+@dataclass
+class CGEdge:
+    """A tensor flowing from ``src_member`` (in CGNode ``src``) into operand ``operand`` of
+    ``dst_member`` (in ``dst``), priced on the grid of distinct specs.
+
+    ``fwd[a, b]``: seconds to reshard ``src_specs[a]`` into ``dst_specs[b]``. ``bwd[a, b]``: seconds
+    to reshard the gradient, delivered by the consumer in ``dst_specs[b]``, back into
+    ``src_specs[a]`` (zero when no gradient flows). ``nbytes_*``: bytes per device moved by those
+    reshardings (sum over their collectives). ``src_index[c]`` / ``dst_index[c]``: the spec
+    position of strategy ``c`` of ``src`` / ``dst``.
+    """
+
+    src: str
+    dst: str
+    src_member: str
+    dst_member: str
+    operand: int
+    src_output: int
+    tensor: TensorMeta
+    grad: bool
+    src_specs: list[ShardSpec]
+    dst_specs: list[ShardSpec]
+    src_index: np.ndarray
+    dst_index: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray
+    nbytes_fwd: np.ndarray
+    nbytes_bwd: np.ndarray
+
+    @property
+    def cost(self) -> np.ndarray:
+        """fwd + bwd seconds per (src spec, dst spec)."""
+        return self.fwd + self.bwd
+
+    def cost_of(self, src_choice: int, dst_choice: int) -> float:
+        """Seconds (fwd + bwd) of this edge when its endpoints run these strategies."""
+        a, b = self.src_index[src_choice], self.dst_index[dst_choice]
+        return float(self.fwd[a, b] + self.bwd[a, b])
+
+
+@dataclass
+class VariableGroup:
+    """CGNodes that must choose the same strategy index (an alias class, or a single node)."""
+
+    key: str
+    nodes: list[str]
+    n_strategies: int
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass
+class EdgeGroup:
+    """Edges whose endpoints lie in the same pair of variable groups (same members, operand and
+    output): they always see the same spec pair, so they share edge variables. ``edge`` is the
+    representative (all have identical matrices); its cost counts ``count`` times."""
+
+    key: tuple
+    src_group: str
+    dst_group: str
+    edges: list[CGEdge]
+
+    @property
+    def edge(self) -> CGEdge:
+        return self.edges[0]
+
+    @property
+    def count(self) -> int:
+        return len(self.edges)
+
+
+@dataclass
+class CostBreakdown:
+    """Modeled step time (seconds) and memory (bytes per device) of one full assignment."""
+
+    compute_fwd: float = 0.0
+    compute_bwd: float = 0.0
+    comm_fwd: float = 0.0
+    comm_bwd: float = 0.0
+    reshard_fwd: float = 0.0
+    reshard_bwd: float = 0.0
+    params: int = 0
+    grads: int = 0
+    saved: int = 0
+    outputs: int = 0
+    saved_by_segment: dict[str | None, int] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> float:
+        return self.compute_fwd + self.compute_bwd
+
+    @property
+    def comm(self) -> float:
+        return self.comm_fwd + self.comm_bwd
+
+    @property
+    def reshard(self) -> float:
+        return self.reshard_fwd + self.reshard_bwd
+
+    @property
+    def total(self) -> float:
+        """Modeled step time: compute + collectives + resharding (no overlap)."""
+        return self.compute + self.comm + self.reshard
+
+    def __str__(self) -> str:
+        ms = 1e3
+        return (f"step {self.total * ms:.3f} ms = compute {self.compute * ms:.3f} + comm "
+                f"{self.comm * ms:.3f} + reshard {self.reshard * ms:.3f}; memory/device: params "
+                f"{self.params} B, grads {self.grads} B, saved {self.saved} B")
+
+
+# -- the graph ---------------------------------------------------------------------------------------
+
+class CostGraph:
+    """Nodes x strategies and edges x resharding costs of one captured graph on one mesh.
+
+    ``nodes`` (CGNode name -> CGNode, graph order), ``edges``, ``node_of`` (graph node -> CGNode
+    name), ``build_seconds``. Build it with :func:`build_cost_graph`.
+    """
+
+    def __init__(self, table: StrategyTable, nodes: dict[str, CGNode], edges: list[CGEdge], *,
+                 merged: bool, aliased: bool) -> None:
+        self.table = table
+        self.nodes = nodes
+        self.edges = edges
+        self.merged = merged
+        self.aliased = aliased
+        self.node_of = {m: n.name for n in nodes.values() for m in n.members}
+        self.build_seconds = 0.0
+        self.timings: dict[str, float] = {}
+
+    @property
+    def graph(self) -> CapturedGraph:
+        return self.table.graph
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self.table.mesh
+
+    @property
+    def hardware(self) -> HardwareProfile:
+        return self.table.hardware
+
+    def __getitem__(self, name: str) -> CGNode:
+        return self.nodes[name]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # -- decision groups -------------------------------------------------------------------------
+
+    def alias_classes(self) -> dict[str, list[str]]:
+        """Alias key -> the CGNodes sharing it (block 0's node first); only aliased nodes."""
+        out: dict[str, list[str]] = {}
+        for n in self.nodes.values():
+            if n.alias is not None:
+                out.setdefault(n.alias, []).append(n.name)
+        return out
+
+    def variable_groups(self) -> list[VariableGroup]:
+        """The ILP's decision groups, in graph order: every CGNode of a group takes the same
+        strategy index (one group per alias class, one per non-aliased node)."""
+        groups: dict[str, VariableGroup] = {}
+        for n in self.nodes.values():
+            g = groups.get(n.group)
+            if g is None:
+                groups[n.group] = VariableGroup(n.group, [n.name], len(n))
+            else:
+                g.nodes.append(n.name)
+        return list(groups.values())
+
+    def edge_groups(self) -> list[EdgeGroup]:
+        """Edges grouped by (src group, dst group, member positions, operand, output): edges in
+        one group always see the same (src spec, dst spec) pair, so they share the ILP's edge
+        variables and their cost counts ``count`` times. Without aliasing every group has one
+        edge; with it, e.g. the rotary cos/sin edge into every layer is one group of n_layers."""
+        groups: dict[tuple, EdgeGroup] = {}
+        for e in self.edges:
+            src, dst = self.nodes[e.src], self.nodes[e.dst]
+            key = (src.group, dst.group, src.members.index(e.src_member),
+                   dst.members.index(e.dst_member), e.operand, e.src_output)
+            g = groups.get(key)
+            if g is None:
+                groups[key] = EdgeGroup(key, src.group, dst.group, [e])
+            else:
+                _check_same_grid(g.edge, e)
+                g.edges.append(e)
+        return list(groups.values())
+
+    # -- choices -----------------------------------------------------------------------------------
+
+    def expand_groups(self, group_choice: dict[str, int]) -> dict[str, int]:
+        """Variable-group key -> index  ==>  CGNode name -> index."""
+        return {n.name: int(group_choice[n.group]) for n in self.nodes.values()}
+
+    def graph_choice(self, choice: dict[str, int]) -> dict[str, int]:
+        """CGNode choice ==> the table strategy index of every graph node (merged members too)."""
+        out: dict[str, int] = {}
+        for n in self.nodes.values():
+            c = choice[n.name]
+            for m in n.members:
+                out[m] = int(n.member_index[m][c])
+        return out
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def evaluate(self, choice: dict[str, int]) -> CostBreakdown:
+        """The reference cost of a full assignment (CGNode name -> strategy index).
+
+        Time = sum over nodes of compute + own collectives + internal resharding (fwd and bwd)
+        + sum over edges of resharding fwd/bwd. Memory per device = sums of the strategies'
+        saved activations (also per segment) and outputs, and of the parameters and gradients
+        in their placeholders' layouts.
+        """
+        self._check_choice(choice)
+        out = CostBreakdown()
+        for n in self.nodes.values():
+            c = choice[n.name]
+            for f in StrategyCosts.TIME_FIELDS + StrategyCosts.MEMORY_FIELDS:
+                setattr(out, f, getattr(out, f) + getattr(n.costs, f)[c].item())
+            saved = int(n.costs.saved[c])
+            out.saved_by_segment[n.segment] = out.saved_by_segment.get(n.segment, 0) + saved
+        for e in self.edges:
+            a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+            out.reshard_fwd += e.fwd[a, b].item()
+            out.reshard_bwd += e.bwd[a, b].item()
+        return out
+
+    def _check_choice(self, choice: dict[str, int]) -> None:
+        missing = [n for n in self.nodes if n not in choice]
+        if missing:
+            raise KeyError(f"choice has no strategy for {len(missing)} node(s), e.g. {missing[:3]}")
+        for name, c in choice.items():
+            node = self.nodes.get(name)
+            if node is None:
+                raise KeyError(f"choice names {name!r}, which is not a node of the cost graph")
+            if not 0 <= c < len(node):
+                raise IndexError(f"node {name!r} has {len(node)} strategies, choice is {c}")
+
+    # -- summary ------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes of the ILP this graph implies, and the build time."""
+        groups = self.variable_groups()
+        egroups = self.edge_groups()
+        return {
+            "graph_nodes": len(self.node_of),
+            "nodes": len(self.nodes),
+            "merged_followers": len(self.node_of) - len(self.nodes),
+            "aliased_nodes": sum(len(v) - 1 for v in self.alias_classes().values()),
+            "strategies": sum(len(n) for n in self.nodes.values()),
+            "edges": len(self.edges),
+            "variable_groups": len(groups),
+            "strategy_variables": sum(g.n_strategies for g in groups),
+            "edge_groups": len(egroups),
+            "edge_variables": sum(g.edge.fwd.size for g in egroups),
+            "edge_variables_nontrivial": sum(g.edge.fwd.size for g in egroups
+                                             if min(g.edge.fwd.shape) > 1),
+            "segments": len({n.segment for n in self.nodes.values() if n.segment is not None}),
+            "build_seconds": self.build_seconds,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"CostGraph({s['nodes']} nodes ({s['graph_nodes']} graph nodes), {s['edges']} edges, "
+                f"{s['variable_groups']} variable groups, {s['edge_variables']} edge variables)")
+
+
+def _check_same_grid(a: CGEdge, b: CGEdge) -> None:
+    if a.src_specs != b.src_specs or a.dst_specs != b.dst_specs:
+        raise AssertionError(f"edges {a.src_member}->{a.dst_member} and {b.src_member}->{b.dst_member} "
+                             "share variables but differ in specs (aliasing bug)")
+
+
+# -- segments ----------------------------------------------------------------------------------------
+
+def block_of(graph: CapturedGraph, node: fx.Node) -> tuple[str, int] | None:
+    """``(prefix, index)`` of the repeated block (a ModuleList/Sequential entry) holding ``node``.
+
+    The block is found from the module path (call_function nodes) or the FQN (parameters and
+    buffers): the first numeric path component gives the shortest prefix, e.g.
+    ``model.layers.3.self_attn.q_proj`` -> ``("model.layers", 3)``. None outside any block.
+    """
+    if node.op == "placeholder":
+        fqn = graph.param_fqn.get(node.name) or graph.buffer_fqn.get(node.name)
+        path = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
+    elif node.op == "output":
+        path = ""
+    else:
+        path = graph.module_path(node)
+    parts = path.split(".") if path else []
+    for i, p in enumerate(parts):
+        if _NUMERIC.fullmatch(p):
+            return ".".join(parts[:i]), int(p)
+    return None
+
+
+def _segment_name(block: tuple[str, int] | None) -> str | None:
+    if block is None:
+        return None
+    prefix, idx = block
+    return f"{prefix}.{idx}" if prefix else str(idx)
+
+
+# -- build ---------------------------------------------------------------------------------------------
+
+def build_cost_graph(table: StrategyTable, *, merge_followers: bool = True,
+                     alias_blocks: bool = True) -> CostGraph:
+    """The cost graph of a strategy table.
+
+    ``merge_followers``: fold single-operand view/cast/pointwise/getitem/assert nodes into their
+    producer (same segment only; never into placeholders or the output). This is a *heuristic*:
+    it fixes the follower's strategy per producer strategy (the one minimising resharding +
+    the follower's own cost), which may exclude the global optimum. Off, the graph is exact:
+    one CGNode per graph node with its full strategy list.
+
+    ``alias_blocks``: nodes of identical repeated blocks (same ops, shapes, arguments, strategies
+    and internal edges) share one decision group. Exact in cost: only identical blocks alias.
+    """
+    start = time.perf_counter()
+    b = _Builder(table)
+    b.base_nodes()
+    t_nodes = time.perf_counter()
+    if merge_followers:
+        b.merge_followers()
+    t_merge = time.perf_counter()
+    edges = b.edges()
+    t_edges = time.perf_counter()
+    cg = CostGraph(table, b.nodes, edges, merged=merge_followers, aliased=alias_blocks)
+    if alias_blocks:
+        _alias_blocks(cg, b)
+    end = time.perf_counter()
+    cg.build_seconds = end - start
+    cg.timings = {"nodes_s": t_nodes - start, "merge_s": t_merge - t_nodes,
+                  "edges_s": t_edges - t_merge, "alias_s": end - t_edges}
+    return cg
+
+
+class _Reshard:
+    """One tensor's all-pairs resharding table, with its costs as a matrix over its states."""
+
+    def __init__(self, table: ReshardTable) -> None:
+        self.table = table
+        states = table.states
+        self.dist = _readonly(np.array([[table.cost(s, d) for d in states] for s in states]))
+        self._nbytes: dict[tuple[int, int], int] = {}
+
+    def nbytes(self, src: int, dst: int) -> int:
+        """Bytes per device moved by the cheapest resharding from state ``src`` to ``dst``."""
+        key = (src, dst)
+        if key not in self._nbytes:
+            s, d = self.table.states[src], self.table.states[dst]
+            self._nbytes[key] = 0 if src == dst else sum(c.nbytes for c in self.table.plan(s, d).collectives())
+        return self._nbytes[key]
+
+
+_RESHARDS: dict[int, _Reshard] = {}
+"""id(ReshardTable) -> its matrix form; each entry holds its table, so the id stays valid."""
+
+
+class _Builder:
+    """The steps of :func:`build_cost_graph`, sharing the table and caches.
+
+    Identical layers share strategy-list objects (the enumerator caches them by op signature), so
+    per-list results (cost vectors, spec -> state indices, merges) are cached by list identity;
+    each cache entry keeps its key objects alive so the ids stay valid.
+    """
+
+    def __init__(self, table: StrategyTable) -> None:
+        self.table = table
+        self.graph = table.graph
+        self.fx = {n.name: n for n in table.graph.graph.nodes}
+        self.blocks = {name: block_of(self.graph, n) for name, n in self.fx.items()}
+        self.nodes: dict[str, CGNode] = {}
+        self.node_of: dict[str, str] = {}
+        self._reshards: dict[tuple, _Reshard] = {}
+        self._cost_cache: dict[tuple[int, bool], tuple[StrategyCosts, list]] = {}
+        self._state_cache: dict[tuple, tuple[np.ndarray, list]] = {}
+        self._merges: dict[tuple, tuple] = {}
+        self._matrices: dict[tuple, tuple[np.ndarray, ...]] = {}
+        self._distinct_cache: dict[tuple, tuple[tuple[int, ...], np.ndarray]] = {}
+        self._list_keys: dict[int, tuple[int, list]] = {}
+        self._list_ids: dict[tuple, int] = {}
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def base_nodes(self) -> None:
+        """One CGNode per graph node, with the table's strategies."""
+        for ns in self.table:
+            self.nodes[ns.node] = CGNode(
+                name=ns.node, kind=self.fx[ns.node].op, members=[ns.node], strategies=ns.strategies,
+                member_index={ns.node: _readonly(np.arange(len(ns.strategies)))},
+                member_strategies={ns.node: ns.strategies},
+                costs=self._costs(ns.strategies, stores_params=self.fx[ns.node].op == "placeholder"),
+                segment=_segment_name(self.blocks[ns.node]))
+            self.node_of[ns.node] = ns.node
+
+    def merge_followers(self) -> None:
+        """Fold followers into their producer's CGNode, in graph order (chains merge transitively)."""
+        for ns in self.table:
+            producer = self._follower_producer(ns.node)
+            if producer is None:
+                continue
+            host = self.nodes[self.node_of[producer]]
+            self._merge(host, producer, ns.node)
+            del self.nodes[ns.node]
+            self.node_of[ns.node] = host.name
+
+    def _follower_producer(self, name: str) -> str | None:
+        """The producer ``name`` merges into, or None when it is not a mergeable follower: a
+        call_function of a follower family with one tensor operand, produced by a call_function
+        node (not a placeholder, not the output) of the same segment."""
+        from ..handlers import handler_for
+
+        ns = self.table[name]
+        node = self.fx[name]
+        if node.op != "call_function" or ns.fallback or len(ns.operand_nodes) != 1 or not ns.strategies:
+            return None
+        handler = handler_for(node.target)
+        if handler is None or handler.family not in FOLLOWER_FAMILIES:
+            return None
+        producer = ns.operand_nodes[0]
+        host = self.nodes[self.node_of[producer]]
+        if host.kind != "call_function" or host.segment != self.nodes[name].segment:
+            return None
+        return producer
+
+    def _merge(self, host: CGNode, producer: str, follower: str) -> None:
+        """Add ``follower`` (consuming ``producer``, a member of ``host``) to ``host``."""
+        f_strats = self.table[follower].strategies
+        out_idx = self._src_output(follower, 0)
+        meta = self._tensor(producer, out_idx)
+        grad = self._grad_flows(meta, follower)
+        p_index = host.member_index[producer]
+        key = (id(host.strategies), id(host.member_strategies[producer]), p_index.tobytes(),
+               id(f_strats), out_idx, grad, meta.shape, meta.dtype, len(host.members))
+        merged = self._merges.get(key)
+        if merged is None:
+            merged = self._merges[key] = self._merged(host, producer, f_strats, out_idx, meta, grad)
+        strategies, chosen, added = merged[:3]
+        host.strategies = strategies
+        host.costs = host.costs.plus(added)
+        host.members.append(follower)
+        host.member_index[follower] = chosen
+        host.member_strategies[follower] = f_strats
+
+    def _merged(self, host: CGNode, producer: str, f_strats: list[Strategy], out_idx: int,
+                meta: TensorMeta, grad: bool) -> tuple:
+        """Per host strategy, the follower strategy minimising resharding (fwd + bwd) from the
+        producer's output spec plus the follower's own time (first index on ties). Returns the
+        combined strategies, the chosen follower indices and the costs they add (followed by the
+        objects whose ids key the cache)."""
+        f_costs = self._costs(f_strats)
+        f_time = f_costs.time()
+        rs = self._reshard(meta)
+        f_in = self._states(rs, f_strats, "in", 0)
+        p_out = self._states(rs, host.member_strategies[producer], "out", out_idx)
+        p_of = host.member_index[producer]
+        chosen = np.empty(len(host), dtype=np.int64)
+        moved = np.zeros((2, len(host)))
+        best: dict[int, tuple[int, float, float]] = {}
+        for c, s in enumerate(p_out[p_of].tolist()):
+            if s not in best:
+                fwd = rs.dist[s, f_in]
+                bwd = rs.dist[f_in, s] if grad else np.zeros(len(f_in))
+                j = int(np.argmin(fwd + bwd + f_time))
+                best[s] = (j, float(fwd[j]), float(bwd[j]))
+            chosen[c], moved[0, c], moved[1, c] = best[s]
+        label = f"reshard into member {len(host.members)}"
+        states = rs.table.states
+        strategies = [_combine(h, f_strats[j], rs.table, states[s], states[f_in[j]], grad, label)
+                      for h, j, s in zip(host.strategies, chosen.tolist(), p_out[p_of].tolist())]
+        added = f_costs.take(chosen)
+        added.reshard_fwd = added.reshard_fwd + moved[0]
+        added.reshard_bwd = added.reshard_bwd + moved[1]
+        return (strategies, _readonly(chosen), added.readonly(),
+                host.strategies, host.member_strategies[producer], f_strats)
+
+    # -- edges -----------------------------------------------------------------------------------
+
+    def edges(self) -> list[CGEdge]:
+        """One CGEdge per (producer, consumer, operand) carrying a tensor between two CGNodes."""
+        out: list[CGEdge] = []
+        for ns in self.table:
+            dst = self.nodes[self.node_of[ns.node]]
+            for j, producer in enumerate(ns.operand_nodes):
+                src = self.nodes[self.node_of[producer]]
+                if src is dst:          # a follower's merge edge: priced inside the node
+                    continue
+                out_idx = self._src_output(ns.node, j)
+                meta = self._tensor(producer, out_idx)
+                if meta is None:
+                    continue
+                rs = self._reshard(meta)
+                src_specs, src_index = self._distinct(rs, src, producer, "out", out_idx)
+                dst_specs, dst_index = self._distinct(rs, dst, ns.node, "in", j)
+                grad = self._grad_flows(meta, ns.node)
+                fwd, bwd, nb_fwd, nb_bwd = self._edge_matrices(rs, src_specs, dst_specs, grad)
+                out.append(CGEdge(
+                    src.name, dst.name, producer, ns.node, j, out_idx, meta, grad,
+                    [rs.table.states[s] for s in src_specs], [rs.table.states[s] for s in dst_specs],
+                    src_index, dst_index, fwd, bwd, nb_fwd, nb_bwd))
+        return out
+
+    def _distinct(self, rs: _Reshard, node: CGNode, member: str, side: str, k: int
+                  ) -> tuple[tuple[int, ...], np.ndarray]:
+        """The distinct states (first-seen order) of a member's spec over the node's strategies,
+        and each strategy's position among them (cached; identical layers share the result)."""
+        states = self._states(rs, node.member_strategies[member], side, k)
+        index = node.member_index[member]
+        key = (id(states), index.tobytes())
+        hit = self._distinct_cache.get(key)
+        if hit is None:
+            positions: dict[int, int] = {}
+            pos = [positions.setdefault(s, len(positions)) for s in states[index].tolist()]
+            hit = self._distinct_cache[key] = (tuple(positions), _readonly(np.array(pos, dtype=np.int64)))
+        return hit
+
+    def _edge_matrices(self, rs: _Reshard, src: tuple[int, ...], dst: tuple[int, ...],
+                       grad: bool) -> tuple[np.ndarray, ...]:
+        """fwd/bwd seconds and bytes over the (src state, dst state) grid (cached, read-only)."""
+        key = (id(rs), src, dst, grad)
+        cached = self._matrices.get(key)
+        if cached is None:
+            s, d = np.array(src), np.array(dst)
+            fwd = rs.dist[np.ix_(s, d)]
+            nb_fwd = np.array([[rs.nbytes(a, b) for b in dst] for a in src], dtype=np.int64)
+            if grad:
+                bwd = rs.dist[np.ix_(d, s)].T
+                nb_bwd = np.array([[rs.nbytes(b, a) for b in dst] for a in src], dtype=np.int64)
+            else:
+                bwd, nb_bwd = np.zeros_like(fwd), np.zeros_like(nb_fwd)
+            cached = self._matrices[key] = tuple(_readonly(np.ascontiguousarray(m))
+                                                 for m in (fwd, bwd, nb_fwd, nb_bwd))
+        return cached
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _costs(self, strategies: list[Strategy], stores_params: bool = False) -> StrategyCosts:
+        """Read-only cost vectors of a table strategy list (cached by list identity).
+
+        Parameter and gradient memory is counted where it is stored, at the parameter's
+        placeholder (its layout); an op's ``memory.params``/``grads`` (its view of a parameter
+        operand, in its input spec) is not counted again, so those vectors are zero unless
+        ``stores_params``.
+        """
+        key = (id(strategies), stores_params)
+        hit = self._cost_cache.get(key)
+        if hit is None:
+            costs = StrategyCosts.of(strategies)
+            if not stores_params:
+                costs.params = np.zeros_like(costs.params)
+                costs.grads = np.zeros_like(costs.grads)
+            hit = self._cost_cache[key] = (costs.readonly(), strategies)
+        return hit[0]
+
+    def _states(self, rs: _Reshard, strategies: list[Strategy], side: str, k: int) -> np.ndarray:
+        """State index (in ``rs``) of input ``k`` (side "in") or output ``k`` ("out") of each
+        strategy of a table strategy list (cached by list identity)."""
+        key = (id(rs), id(strategies), side, k)
+        hit = self._state_cache.get(key)
+        if hit is None:
+            specs = [s.input_specs[k] if side == "in" else s.output_specs[k] for s in strategies]
+            if any(spec is None for spec in specs):
+                raise ValueError(f"a strategy gives no spec for {side}put {k} of a tensor edge "
+                                 f"(strategies {[s.name for s in strategies][:4]}...)")
+            index = rs.table.index
+            hit = self._state_cache[key] = (
+                _readonly(np.array([index[spec] for spec in specs], dtype=np.int64)), strategies)
+        return hit[0]
+
+    def list_key(self, strategies: list[Strategy]) -> int:
+        """A small int equal for equal strategy lists (compared by value once per list object)."""
+        hit = self._list_keys.get(id(strategies))
+        if hit is None:
+            value = self._list_ids.setdefault(tuple(strategies), len(self._list_ids))
+            hit = self._list_keys[id(strategies)] = (value, strategies)
+        return hit[0]
+
+    def _reshard(self, meta: TensorMeta) -> _Reshard:
+        key = (meta.shape, meta.dtype.itemsize)
+        rs = self._reshards.get(key)
+        if rs is None:
+            rt = reshard_table(meta.shape, meta.dtype.itemsize, self.table.mesh.shape, self.table.hardware)
+            rs = _RESHARDS.get(id(rt))
+            if rs is None or rs.table is not rt:
+                rs = _RESHARDS[id(rt)] = _Reshard(rt)
+            self._reshards[key] = rs
+        return rs
+
+    def _src_output(self, consumer: str, operand: int) -> int:
+        """Which element of the producer's outputs operand ``operand`` of ``consumer`` reads."""
+        node = self.fx[consumer]
+        producer = self.table[consumer].operand_nodes[operand]
+        if node.target is operator.getitem and isinstance(self.graph.tensor_meta(producer), tuple):
+            return int(node.args[1])
+        return 0
+
+    def _tensor(self, producer: str, out_idx: int) -> TensorMeta | None:
+        meta = self.graph.tensor_meta(producer)
+        return meta[out_idx] if isinstance(meta, tuple) else meta
+
+    def _grad_flows(self, meta: TensorMeta, consumer: str) -> bool:
+        """Gradient of this tensor flows back from ``consumer``: the tensor requires grad and the
+        consumer is differentiable (its value requires grad, or it is the graph output)."""
+        if not meta.requires_grad:
+            return False
+        return self.fx[consumer].op == "output" or self.graph.requires_grad(consumer)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: str,
+                     label: str) -> tuple[CommAction, ...]:
+    if src == dst:
+        return ()
+    return tuple(CommAction(step.kind, (step.axis,), step.nbytes, phase, label, step.cost)
+                 for step in rt.plan(src, dst).steps if step.collective is not None)
+
+
+def _combine(host: Strategy, follower: Strategy, rt: ReshardTable, out_spec: ShardSpec,
+             in_spec: ShardSpec, grad: bool, label: str) -> Strategy:
+    """A host strategy with a follower strategy folded in: costs, collectives (with the
+    resharding between them, labelled ``label``) and memory added; inputs/outputs the host's."""
+    moves = _reshard_actions(rt, out_spec, in_spec, FWD, label)
+    if grad:
+        moves += _reshard_actions(rt, in_spec, out_spec, BWD, label)
+    m, f = host.memory, follower.memory
+    return Strategy(
+        name=f"{host.name} | {follower.name}",
+        input_specs=host.input_specs,
+        output_specs=host.output_specs,
+        compute_fwd=host.compute_fwd + follower.compute_fwd,
+        compute_bwd=host.compute_bwd + follower.compute_bwd,
+        comm=host.comm + moves + follower.comm,
+        memory=MemoryCost(m.params + f.params, m.grads + f.grads, m.saved + f.saved,
+                          m.outputs + f.outputs),
+        split=host.split,
+        tags=host.tags + follower.tags,
+    )
+
+
+# -- aliasing ----------------------------------------------------------------------------------------
+
+def _alias_blocks(cg: CostGraph, b: _Builder) -> None:
+    """Give the k-th CGNode of every block identical to an earlier one the key ``<prefix>.*/<k>``
+    (the first class of identical blocks of a prefix) or ``<prefix>.*<i>/<k>`` (a later class,
+    ``i`` its first block index)."""
+    blocks: dict[str, dict[int, list[str]]] = {}
+    for n in cg.nodes.values():
+        blk = b.blocks[n.members[0]]
+        if blk is not None:
+            blocks.setdefault(blk[0], {}).setdefault(blk[1], []).append(n.name)
+    in_edges: dict[str, list[CGEdge]] = {}
+    for e in cg.edges:
+        in_edges.setdefault(e.dst, []).append(e)
+    for prefix, by_index in blocks.items():
+        classes: dict[tuple, list[int]] = {}
+        for idx in sorted(by_index):
+            sig = _block_signature(cg, b, by_index[idx], in_edges)
+            classes.setdefault(sig, []).append(idx)
+        ordered = sorted((v for v in classes.values() if len(v) > 1), key=lambda v: v[0])
+        for rank, indices in enumerate(ordered):
+            tag = "*" if rank == 0 and indices[0] == min(by_index) else f"*{indices[0]}"
+            for idx in indices:
+                for k, name in enumerate(by_index[idx]):
+                    cg.nodes[name].alias = f"{prefix}.{tag}/{k}" if prefix else f"{tag}/{k}"
+
+
+def _block_signature(cg: CostGraph, b: _Builder, names: list[str],
+                     in_edges: dict[str, list[CGEdge]]) -> tuple:
+    """Everything the costs of a block's nodes and internal edges depend on, without names:
+    per node its members (op, shapes, dtypes, non-tensor args, grad flags), strategies and
+    member maps; per incoming edge its operand, and its source position when inside the block."""
+    position = {n: k for k, n in enumerate(names)}
+    sig = []
+    for name in names:
+        node = cg.nodes[name]
+        members = tuple(_member_signature(b, m) for m in node.members)
+        maps = tuple(tuple(node.member_index[m].tolist()) for m in node.members)
+        edges = tuple(sorted(
+            (node.members.index(e.dst_member), e.operand, e.src_output,
+             position.get(e.src, -1),
+             cg.nodes[e.src].members.index(e.src_member) if e.src in position else -1)
+            for e in in_edges.get(name, ())))
+        sig.append((members, b.list_key(node.strategies), maps, edges))
+    return tuple(sig)
+
+
+def _member_signature(b: _Builder, name: str) -> tuple:
+    node = b.fx[name]
+    graph = b.graph
+    if node.op == "placeholder":
+        head: tuple = ("placeholder", graph.is_param(name), graph.is_buffer(name), graph.is_user_input(name))
+    elif node.op == "call_function":
+        head = ("call_function", op_name(node.target), _freeze(node.args), _freeze(node.kwargs))
+    else:
+        head = (node.op, str(node.target))
+    operands = tuple(b._tensor(p, b._src_output(name, j))
+                     for j, p in enumerate(b.table[name].operand_nodes))
+    out = graph.tensor_meta(name) if node.op != "output" else None
+    return head + (out, operands, graph.requires_grad(name) if node.op != "output" else False)
+
+
+def _freeze(x: Any) -> Any:
+    """A hashable, name-free form of node arguments (fx nodes become a marker)."""
+    if isinstance(x, fx.Node):
+        return "%node"
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x

@@ -1,0 +1,449 @@
+"""One ILP: a sharding strategy per node AND an activation-memory decision per segment.
+
+Variables
+  x[g, s]      binary, one-hot per decision group g (a node, or all aliased copies of one)
+  y[e, a, b]   continuous in [0, 1] on the distinct-spec grid of an edge group: the product of the
+               producer choosing output spec a and the consumer input spec b (the marginals tie it
+               to x, and for one-hot x the only feasible y is that product)
+  d[seg, k]    binary, one-hot per segment over the memory decisions
+               keep / recompute / offload / partitioned
+Objective (seconds per training step): node compute + collectives, resharding on edges,
+  recomputation (the segment's forward again), offload transfers that the segment's compute
+  cannot hide, and the all-gather of partitioned checkpoints.
+Memory (bytes per device, at the start of backward): parameters + gradients + optimizer state,
+  + activations saved outside segments, + per segment: saved activations if kept, its checkpointed
+  input if recomputed (1/n of it if partitioned over the n devices holding copies), nothing if
+  offloaded, + the working set of the largest segment that is recomputed or offloaded.
+
+Products of a binary decision with a linear expression E (0 <= E <= U) are linearised exactly by
+a variable z >= E - U (1 - b), z >= 0: z only appears with a positive coefficient in a minimised
+objective or on the left of a <= constraint, so it settles at b * E.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import pulp
+
+from ..comm import collective_cost
+from ..specs import ShardSpec
+from ..units import format_bytes
+from .costgraph import CGEdge, CGNode, CostGraph
+
+DECISIONS = ("keep", "recompute", "offload", "partitioned")
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the per-device memory budget."""
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    memory_budget: int | None = None          # bytes per device; None = unconstrained
+    optimizer_bytes_per_param: float = 8.0    # AdamW fp32: exp_avg + exp_avg_sq
+    decisions: tuple[str, ...] = DECISIONS    # memory decisions the solver may use
+    solver: str = "highs"                     # "highs" (highspy) or "cbc"
+    time_limit: float = 60.0
+    gap_rel: float = 0.0
+    threads: int | None = None
+
+
+@dataclass
+class MemoryPrediction:
+    """Bytes per device at the training peak."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0      # kept activations incl. checkpoints
+    working_set: float = 0.0      # largest recomputed/offloaded segment brought back
+
+    @property
+    def peak(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.working_set
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "peak": self.peak}
+
+
+@dataclass
+class TimePrediction:
+    """Seconds of one training step, by kind."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+    reshard: float = 0.0
+    recompute: float = 0.0
+    offload: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.reshard + self.recompute + self.offload
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "total": self.total}
+
+
+@dataclass
+class Solution:
+    choice: dict[str, int]                     # CGNode name -> strategy index
+    decisions: dict[str, str]                  # segment -> memory decision
+    time: TimePrediction
+    memory: MemoryPrediction
+    status: str
+    objective: float
+    build_seconds: float
+    solve_seconds: float
+    n_variables: int
+    n_constraints: int
+    solver: str
+    stats: dict = field(default_factory=dict)
+
+
+# -- linear expressions over strategy choices ------------------------------------------------------------
+
+class _Model:
+    """The PuLP problem plus helpers to express per-strategy quantities linearly."""
+
+    def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize):
+        self.cg = cg
+        self.options = options
+        self.prob = pulp.LpProblem("autoshard", sense)
+        self.x: dict[str, list] = {}              # group key -> list of binaries (or None if fixed)
+        self.group_of: dict[str, str] = {}        # CGNode name -> group key
+        self._n = 0
+        for g in cg.variable_groups():
+            for node in g.nodes:
+                self.group_of[node] = g.key
+            if g.n_strategies == 1:
+                self.x[g.key] = [1]
+            else:
+                vs = [pulp.LpVariable(f"x{self._id()}_{s}", cat=pulp.LpBinary) for s in range(g.n_strategies)]
+                self.prob += pulp.lpSum(vs) == 1
+                self.x[g.key] = vs
+
+    def _id(self) -> int:
+        self._n += 1
+        return self._n
+
+    def var(self, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous, name: str = "v"):
+        return pulp.LpVariable(f"{name}{self._id()}", lowBound=low, upBound=up, cat=cat)
+
+    def choice_expr(self, node: str, values: np.ndarray) -> pulp.LpAffineExpression:
+        """sum_s values[s] * x[node, s] (a constant for fixed nodes)."""
+        xs = self.x[self.group_of[node]]
+        if len(xs) == 1:
+            return pulp.LpAffineExpression(constant=float(values[0]))
+        return pulp.LpAffineExpression([(v, float(c)) for v, c in zip(xs, values) if c != 0.0])
+
+    def product(self, b, expr: pulp.LpAffineExpression, upper: float, name: str = "z"):
+        """A variable equal to b * expr at the optimum (see module docstring)."""
+        z = self.var(name=name)
+        if upper > 0:
+            self.prob += z >= expr - upper * (1 - b)
+        return z
+
+
+def _upper(values: np.ndarray) -> float:
+    return float(np.max(values)) if len(values) else 0.0
+
+
+# -- the formulation ------------------------------------------------------------------------------------
+
+def _node_time_terms(m: _Model) -> list:
+    """Objective terms of node strategies: compute, own collectives, resharding inside merged nodes."""
+    terms = []
+    for g in m.cg.variable_groups():
+        node = m.cg.nodes[g.nodes[0]]
+        per_strategy = node.costs.time()
+        if np.any(per_strategy):
+            terms.append(g.count * m.choice_expr(node.name, per_strategy))
+    return terms
+
+
+def _forward_time(c) -> np.ndarray:
+    """What recomputing a node costs: its forward compute, collectives and internal resharding."""
+    return c.compute_fwd + c.comm_fwd + c.reshard_fwd
+
+
+def _edge_time_terms(m: _Model) -> list:
+    terms = []
+    for eg in m.cg.edge_groups():
+        e = eg.edge
+        cost = e.fwd + (e.bwd if e.grad else 0.0)
+        if not np.any(cost):
+            continue
+        src_marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
+        dst_marg = _marginals(m, e.dst, e.dst_index, len(e.dst_specs))
+        if len(e.src_specs) == 1:
+            terms.append(eg.count * pulp.lpSum(float(cost[0, b]) * dst_marg[b] for b in range(len(e.dst_specs))))
+            continue
+        if len(e.dst_specs) == 1:
+            terms.append(eg.count * pulp.lpSum(float(cost[a, 0]) * src_marg[a] for a in range(len(e.src_specs))))
+            continue
+        y = [[m.var(0.0, 1.0, name="y") for _ in e.dst_specs] for _ in e.src_specs]
+        for a in range(len(e.src_specs)):
+            m.prob += pulp.lpSum(y[a]) == src_marg[a]
+        for b in range(len(e.dst_specs)):
+            m.prob += pulp.lpSum(y[a][b] for a in range(len(e.src_specs))) == dst_marg[b]
+        terms.append(eg.count * pulp.lpSum(float(cost[a, b]) * y[a][b]
+                                           for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))
+                                           if cost[a, b] != 0.0))
+    return terms
+
+
+def _marginals(m: _Model, node: str, index: np.ndarray, n: int) -> list[pulp.LpAffineExpression]:
+    """For each distinct spec, the (0/1) expression 'the node chose a strategy with this spec'."""
+    xs = m.x[m.group_of[node]]
+    out = [pulp.LpAffineExpression() for _ in range(n)]
+    if len(xs) == 1:
+        out[int(index[0])] = pulp.LpAffineExpression(constant=1.0)
+        return out
+    for s, a in enumerate(index):
+        out[int(a)] += xs[s]
+    return out
+
+
+@dataclass
+class _Segment:
+    name: str
+    nodes: list[str]
+    saved: np.ndarray | None = None
+    ckpt_edges: list[CGEdge] = field(default_factory=list)
+
+
+def _segments(cg: CostGraph) -> list[_Segment]:
+    by_seg: dict[str, _Segment] = {}
+    for node in cg.nodes.values():
+        if node.segment is not None and node.kind == "call_function":
+            by_seg.setdefault(node.segment, _Segment(node.segment, [])).nodes.append(node.name)
+    consumers_by_src: dict[str, set[str]] = {}
+    for e in cg.edges:
+        seg = cg.nodes[e.dst].segment
+        if seg is not None:
+            consumers_by_src.setdefault((e.src, e.src_member, e.src_output), set()).add(seg)
+    seen: set = set()
+    for e in cg.edges:
+        src, dst = cg.nodes[e.src], cg.nodes[e.dst]
+        if dst.segment is None or src.segment == dst.segment or src.kind == "placeholder" and not _is_input(cg, src):
+            continue
+        key = (e.src, e.src_member, e.src_output)
+        # inputs shared by several segments (masks, rotary tables) stay resident anyway
+        if len(consumers_by_src[key]) > 1 and src.segment is None:
+            continue
+        if (dst.segment, key) in seen:
+            continue
+        seen.add((dst.segment, key))
+        by_seg[dst.segment].ckpt_edges.append(e)
+    return list(by_seg.values())
+
+
+def _is_input(cg: CostGraph, node: CGNode) -> bool:
+    return cg.graph.is_user_input(node.members[0])
+
+
+def _spec_bytes(e: CGEdge, mesh_shape) -> np.ndarray:
+    item = e.tensor.dtype.itemsize
+    return np.array([s.local_numel(e.tensor.shape, mesh_shape) * item for s in e.src_specs], dtype=float)
+
+
+def _replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
+    return tuple(a for a in range(len(mesh_shape)) if a not in spec.used_axes() and mesh_shape[a] > 1)
+
+
+def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffineExpression, dict]:
+    """Add memory expressions and segment decisions; returns (peak memory expr, handles for readout)."""
+    cg, opts = m.cg, m.options
+    mesh_shape = cg.mesh.shape
+    hw = cg.hardware
+    static = []
+    nonseg_act = []
+    for g in cg.variable_groups():
+        node = cg.nodes[g.nodes[0]]
+        c = node.costs
+        opt_state = np.zeros_like(c.params)
+        if node.kind == "placeholder" and np.any(c.params):
+            item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
+            opt_state = c.params / item * opts.optimizer_bytes_per_param
+        if np.any(c.params + c.grads + opt_state):
+            static.append(g.count * m.choice_expr(node.name, c.params + c.grads + opt_state))
+        if node.segment is None and np.any(c.saved):
+            nonseg_act.append(g.count * m.choice_expr(node.name, c.saved))
+    segments = _segments(cg)
+    allowed = [d for d in DECISIONS if d in opts.decisions]
+    working = m.var(name="W")
+    seg_act, handles = [], {"segments": {}, "working": working}
+    for seg in segments:
+        A = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.saved) for n in seg.nodes)
+        A_up = sum(_upper(cg.nodes[n].costs.saved) for n in seg.nodes)
+        F = pulp.lpSum(m.choice_expr(n, _forward_time(cg.nodes[n].costs)) for n in seg.nodes)
+        F_up = sum(_upper(_forward_time(cg.nodes[n].costs)) for n in seg.nodes)
+        B = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.compute_bwd) for n in seg.nodes)
+        ck_full, ck_part, ck_gather = [], [], []
+        ck_up = ck_part_up = gather_up = 0.0
+        for e in seg.ckpt_edges:
+            full = _spec_bytes(e, mesh_shape)
+            rep = [math.prod(mesh_shape[a] for a in _replicated_axes(s, mesh_shape)) for s in e.src_specs]
+            part = full / np.array(rep, dtype=float)
+            gather = np.array([collective_cost("all_gather", b, _replicated_axes(s, mesh_shape), mesh_shape, hw)
+                               for b, s in zip(full, e.src_specs)])
+            marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
+            ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
+            ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
+            ck_gather.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(gather)))
+            ck_up += _upper(full)
+            ck_part_up += _upper(part)
+            gather_up += _upper(gather)
+        d = {k: m.var(0, 1, pulp.LpBinary, name=f"d_{k}_") for k in allowed}
+        m.prob += pulp.lpSum(d.values()) == 1
+        keep = d.get("keep", 0)
+        seg_act.append(m.product(keep, A, A_up, "keep"))
+        if A_up > 0:   # working set: the largest segment that is not kept is rebuilt/brought back
+            m.prob += working >= A - A_up * keep
+        if "recompute" in d:
+            seg_act.append(m.product(d["recompute"], pulp.lpSum(ck_full), ck_up, "ck"))
+            objective_terms.append(m.product(d["recompute"], F, F_up, "rec"))
+        if "partitioned" in d:
+            seg_act.append(m.product(d["partitioned"], pulp.lpSum(ck_part), ck_part_up, "ckp"))
+            objective_terms.append(m.product(d["partitioned"], F + pulp.lpSum(ck_gather), F_up + gather_up, "recp"))
+        if "offload" in d:
+            bw = hw.host_device_bandwidth
+            for phase_compute in (F, B):   # device->host in forward, host->device in backward
+                exposed = m.var(name="off")
+                m.prob += exposed >= (1.0 / bw) * A - phase_compute - (A_up / bw) * (1 - d["offload"])
+                objective_terms.append(exposed)
+        handles["segments"][seg.name] = d
+    peak = pulp.lpSum(static) + pulp.lpSum(nonseg_act) + pulp.lpSum(seg_act) + working
+    handles["static"] = pulp.lpSum(static)
+    return peak, handles
+
+
+def _pulp_solver(options: SolverOptions, msg: bool = False):
+    if options.solver == "highs":
+        if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
+            raise RuntimeError("HiGHS (highspy) is not available: pip install highspy, or pass solver='cbc'")
+        return pulp.HiGHS(msg=msg, timeLimit=options.time_limit, gapRel=options.gap_rel,
+                          threads=options.threads)
+    if options.solver == "cbc":
+        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=options.time_limit, gapRel=options.gap_rel)
+    raise ValueError(f"unknown solver {options.solver!r}: use 'highs' or 'cbc'")
+
+
+def solve(cg: CostGraph, options: SolverOptions = SolverOptions()) -> Solution:
+    """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget."""
+    t0 = time.perf_counter()
+    m = _Model(cg, options)
+    objective_terms = _node_time_terms(m)
+    objective_terms += _edge_time_terms(m)
+    peak, handles = _memory_and_recompute(m, objective_terms)
+    m.prob += pulp.lpSum(objective_terms)
+    if options.memory_budget is not None:
+        m.prob += peak <= float(options.memory_budget)
+    build = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    m.prob.solve(_pulp_solver(options))
+    solve_s = time.perf_counter() - t1
+    status = pulp.LpStatus[m.prob.status]
+    if status != "Optimal" and m.prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
+        if options.memory_budget is not None and status == "Infeasible":
+            raise InfeasibleBudgetError(_infeasible_message(cg, options))
+        raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
+                           "try a longer time_limit or solver='cbc'")
+    return _readout(m, handles, status, build, solve_s)
+
+
+def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions()) -> tuple[float, MemoryPrediction]:
+    """The smallest per-device peak any plan reaches (all memory decisions allowed)."""
+    m = _Model(cg, options)
+    peak, handles = _memory_and_recompute(m, [])
+    m.prob += peak
+    m.prob.solve(_pulp_solver(options))
+    sol = _readout(m, handles, pulp.LpStatus[m.prob.status], 0.0, 0.0)
+    return sol.memory.peak, sol.memory
+
+
+def _infeasible_message(cg: CostGraph, options: SolverOptions) -> str:
+    need, mem = minimum_budget(cg, options)
+    parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
+             "activations": mem.activations + mem.working_set}
+    top = max(parts, key=parts.get)  # type: ignore[arg-type]
+    return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
+            f"{cg.mesh}: the smallest feasible budget is {format_bytes(need)} "
+            f"({', '.join(f'{k} {format_bytes(v)}' for k, v in parts.items())}; {top} dominate). "
+            "Raise the budget, use a larger mesh, or a smaller batch.")
+
+
+def _value(v) -> float:
+    if isinstance(v, (int, float)):
+        return float(v)
+    return float(pulp.value(v) or 0.0)
+
+
+def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float) -> Solution:
+    cg = m.cg
+    choice: dict[str, int] = {}
+    for key, xs in m.x.items():
+        idx = 0 if len(xs) == 1 else int(np.argmax([_value(v) for v in xs]))
+        for g in cg.variable_groups():
+            if g.key == key:
+                for node in g.nodes:
+                    choice[node] = idx
+                break
+    decisions = {seg: max(d, key=lambda k: _value(d[k])) for seg, d in handles["segments"].items()}
+    time_pred, mem = predict(cg, choice, decisions, m.options)
+    return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective), build, solve_s,
+                    m.prob.numVariables(), m.prob.numConstraints(), m.options.solver)
+
+
+def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
+            options: SolverOptions) -> tuple[TimePrediction, MemoryPrediction]:
+    """Modeled step time and per-device memory of one full assignment (the ILP's objective terms)."""
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    t, mem = TimePrediction(), MemoryPrediction()
+    for node in cg.nodes.values():
+        s = choice[node.name]
+        c = node.costs
+        t.compute += c.compute_fwd[s] + c.compute_bwd[s]
+        t.comm += c.comm_fwd[s] + c.comm_bwd[s]
+        t.reshard += c.reshard_fwd[s] + c.reshard_bwd[s]
+        mem.params += c.params[s]
+        mem.grads += c.grads[s]
+        if node.kind == "placeholder" and c.params[s]:
+            item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
+            mem.optimizer += c.params[s] / item * options.optimizer_bytes_per_param
+        if node.segment is None:
+            mem.activations += c.saved[s]
+    for e in cg.edges:
+        a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+        t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
+    for seg in _segments(cg):
+        dec = decisions.get(seg.name, "keep")
+        A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
+        F = sum(_forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
+        B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
+        full = part = gather = 0.0
+        for e in seg.ckpt_edges:
+            spec = e.src_specs[e.src_index[choice[e.src]]]
+            nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
+            axes = _replicated_axes(spec, mesh_shape)
+            full += nbytes
+            part += nbytes / math.prod(mesh_shape[x] for x in axes)
+            gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
+        if dec == "keep":
+            mem.activations += A
+            continue
+        mem.working_set = max(mem.working_set, A)
+        if dec == "recompute":
+            mem.activations += full
+            t.recompute += F
+        elif dec == "partitioned":
+            mem.activations += part
+            t.recompute += F + gather
+        elif dec == "offload":
+            bw = hw.host_device_bandwidth
+            t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
+    return t, mem
