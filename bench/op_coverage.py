@@ -1,0 +1,46 @@
+"""Op coverage: every op in the graphs of the supported models, with its strategy count on 2x2.
+
+Run: python bench/op_coverage.py   (writes bench/results/op_coverage.{json,md}, used in the README)
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from _common import write
+
+from autoshard import capture, enumerate_strategies
+from autoshard.handlers import REGISTRY
+from autoshard.models import build_model
+
+MODELS = ["mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny"]
+
+
+def main() -> None:
+    counts: dict[str, list[int]] = defaultdict(list)
+    models: dict[str, set[str]] = defaultdict(set)
+    family: dict[str, str] = {}
+    for name in MODELS:
+        model, args, kwargs = build_model(name, device="meta")
+        graph = capture(model, args, kwargs, name=name)
+        table = enumerate_strategies(graph, mesh_shape=(2, 2), hardware="h100-nvlink")
+        for node in graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            ns = table[node.name]
+            counts[ns.op].append(len(ns))
+            models[ns.op].add(name)
+            h = REGISTRY[node.target]
+            family[ns.op] = h.family + (" (replicate only)" if h.replicate_only else "")
+    rows = []
+    for op in sorted(counts):
+        c = counts[op]
+        span = str(c[0]) if min(c) == max(c) else f"{min(c)}-{max(c)}"
+        rows.append([f"`{op}`", family[op], span, len(c), ", ".join(sorted(models[op]))])
+    data = {op: {"strategies": counts[op], "models": sorted(models[op]), "family": family[op]} for op in counts}
+    write("op_coverage", data, ["op", "family", "strategies per node (2x2)", "nodes", "models"], rows,
+          note="Strategy counts on a 2x2 mesh for the nodes of the tiny test models "
+               "(range over nodes: shapes decide what divides).")
+
+
+if __name__ == "__main__":
+    main()

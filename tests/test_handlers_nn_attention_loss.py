@@ -1,0 +1,166 @@
+"""Attention and classification-loss handlers: option sets, and every strategy simulated on real
+values (targets including ignore_index) on the (2,2), (1,4) and (4,1) meshes."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard.enumerate import node_strategies
+from autoshard.handlers import handler_for
+from autoshard.handlers.registry import default_kernel
+from autoshard.hardware import load_hardware
+from autoshard.mesh import MeshSpec
+from autoshard.opinfo import OpInfo
+from autoshard.verify import check_strategy
+from handler_utils import export_nodes, find_node, operand_values
+from test_handlers_nn import Fn, _rand, axis_tags, check_everywhere
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+CE = aten.cross_entropy_loss.default
+
+
+def _strategy_with(graph, node, mesh, tag):
+    """(op, handler, first strategy whose per-axis tags include ``tag``)."""
+    mesh = MeshSpec(mesh)
+    handler = handler_for(node.target)
+    ns = node_strategies(graph, node, mesh, load_hardware("h100-nvlink"))
+    return OpInfo(node, graph, mesh), handler, next(s for s in ns if tag in s.tags)
+
+
+def _broken_for(handler, tag):
+    """The handler with its default kernel for strategies using ``tag`` (reference untouched)."""
+    def kernel(op, strategy):
+        return default_kernel(op, strategy) if tag in strategy.tags else handler.kernel(op, strategy)
+    return dataclasses.replace(handler, kernel=kernel)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+def _sdpa(**kw):
+    return lambda m, q, k, v, *mask: F.scaled_dot_product_attention(q, k, v, *mask, **kw)
+
+
+ATTENTION_CASES = {
+    # name: (function, q shape, k/v shape without the last dim, mask shape or None, mask dtype,
+    #        per-axis options on (2, 2)); k gets q's last dim, v one more
+    "float_mask_bcast_heads": (_sdpa(), (4, 4, 8, 4), (4, 4, 8), (4, 1, 8, 8), torch.float64,
+                               {"b0", "b1", "sq"}),
+    "bool_mask_2d": (_sdpa(scale=0.3), (4, 4, 8, 4), (4, 4, 12), (8, 12), torch.bool, {"b0", "b1", "sq"}),
+    "causal": (_sdpa(is_causal=True), (4, 4, 8, 4), (4, 4, 8), None, None, {"b0", "b1", "sq"}),
+    "causal_longer_keys": (_sdpa(is_causal=True), (2, 4, 8, 4), (2, 4, 12), None, None, {"b0", "b1", "sq"}),
+    "gqa_causal": (_sdpa(is_causal=True, enable_gqa=True), (4, 4, 8, 4), (4, 2, 8), None, None,
+                   {"b0", "b1", "sq"}),
+    "unheaded_3d_causal": (_sdpa(is_causal=True), (4, 8, 4), (4, 8), None, None, {"b0", "sq"}),
+}
+
+
+def _qkv(q, kv):
+    return [_rand(*q), _rand(*kv, q[-1]), _rand(*kv, q[-1] + 1)]
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_every_strategy_simulates(case):
+    fn, q, kv, mask_shape, mask_dtype, options = ATTENTION_CASES[case]
+    args = _qkv(q, kv)
+    if mask_shape is not None:
+        args.append(_rand(*mask_shape) if mask_dtype.is_floating_point
+                    else torch.rand(mask_shape, generator=torch.Generator().manual_seed(2)) > 0.3)
+    tags = check_everywhere(Fn(fn), args, SDPA)
+    assert axis_tags(tags[(2, 2)]) == options | {"R"}
+
+
+def test_gqa_heads_shard_only_in_whole_kv_groups():
+    fn, q, kv, *_ = ATTENTION_CASES["gqa_causal"]
+    tags = check_everywhere(Fn(fn), _qkv(q, kv), SDPA, meshes=[(2, 2), (1, 4)])
+    assert ("b1", "R") in tags[(2, 2)] and ("R", "b1") in tags[(2, 2)]
+    assert "b1" not in axis_tags(tags[(1, 4)])         # 2 kv heads cannot split 4 ways
+    assert ("b1", "b1") not in tags[(2, 2)]
+
+
+def test_causal_query_split_needs_the_offset_mask():
+    """The check can fail: a local is_causal flag on a block of query rows is caught."""
+    fn, q, kv, *_ = ATTENTION_CASES["causal"]
+    graph, values = export_nodes(Fn(fn), _qkv(q, kv))
+    op, handler, rows = _strategy_with(graph, find_node(graph, SDPA), (1, 4), "sq")
+    check_strategy(op, handler, rows, operand_values(op, values))
+    with pytest.raises(AssertionError, match="forward output"):
+        check_strategy(op, _broken_for(handler, "sq"), rows, operand_values(op, values))
+
+
+# -- losses ---------------------------------------------------------------------------------------
+
+def _targets(n_classes, shape, ignore_index=-100, n_ignored=3, seed=3):
+    t = torch.randint(0, n_classes, shape, generator=torch.Generator().manual_seed(seed))
+    t.view(-1)[1:1 + 2 * n_ignored:2] = ignore_index        # uneven per shard: exercises the count
+    return t
+
+
+class Loss(nn.Module):
+    def __init__(self, fn, weight=None):
+        super().__init__()
+        self.fn = fn
+        self.register_buffer("weight", weight)
+
+    def forward(self, x, t):
+        return self.fn(x, t, self.weight)
+
+
+def _ce(**kw):
+    return lambda x, t, w: F.cross_entropy(x, t, weight=w, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["hard", "smooth"])
+def test_cross_entropy_every_strategy_simulates(reduction, weighted, smoothing):
+    weight = torch.rand(12, generator=torch.Generator().manual_seed(4)) + 0.5 if weighted else None
+    module = Loss(_ce(reduction=reduction, label_smoothing=smoothing), weight)
+    tags = check_everywhere(module, (_rand(8, 12), _targets(12, (8,))), CE)
+    assert axis_tags(tags[(2, 2)]) == {"row0", "c", "R"}
+    assert len(tags[(2, 2)]) == 9
+
+
+LOSS_CASES = {
+    # name: (loss module, input shape, target, op, per-axis options on (2, 2))
+    "ce_spatial_ignore5": (Loss(_ce(ignore_index=5)), (4, 8, 4), _targets(8, (4, 4), ignore_index=5), CE,
+                           {"row0", "row1", "c"}),
+    "ce_prob_target": (Loss(_ce(label_smoothing=0.2), torch.rand(12) + 0.5), (8, 12),
+                       torch.rand(8, 12, generator=torch.Generator().manual_seed(5)).softmax(1), CE,
+                       {"row0", "c"}),
+    "ce_prob_target_sum": (Loss(_ce(reduction="sum")), (8, 12),
+                           torch.rand(8, 12, generator=torch.Generator().manual_seed(5)).softmax(1), CE,
+                           {"row0", "c"}),
+    "ce_unbatched": (Loss(_ce()), (12,), torch.tensor(7), CE, {"c"}),
+    "nll_after_log_softmax": (Loss(lambda x, t, w: F.nll_loss(F.log_softmax(x, 1), t, w), torch.rand(12)),
+                              (8, 12), _targets(12, (8,)), aten.nll_loss_nd.default, {"row0", "c"}),
+    "nll_none_4d": (Loss(lambda x, t, w: F.nll_loss(x, t, reduction="none")), (4, 8, 2, 4),
+                    _targets(8, (4, 2, 4)), aten.nll_loss_nd.default, {"row0", "row1", "row2", "c"}),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_every_strategy_simulates(case):
+    module, x_shape, target, op, options = LOSS_CASES[case]
+    tags = check_everywhere(module, (_rand(*x_shape), target), op)
+    assert axis_tags(tags[(2, 2)]) == options | {"R"}
+
+
+def test_row_split_mean_needs_the_global_count():
+    """The check can fail: a local mean over rows with ignored targets is caught."""
+    graph, values = export_nodes(Loss(_ce()), (_rand(8, 12), _targets(12, (8,))))
+    op, handler, rows = _strategy_with(graph, find_node(graph, CE), (1, 4), "row0")
+    assert [c.operand for c in rows.comm if c.phase == "fwd"] == ["out0", "loss denominator"]
+    check_strategy(op, handler, rows, operand_values(op, values))
+    with pytest.raises(AssertionError, match="forward output"):
+        check_strategy(op, _broken_for(handler, "row0"), rows, operand_values(op, values))
+
+
+def test_vocab_parallel_cross_entropy_prices_its_collectives():
+    graph, _ = export_nodes(Loss(_ce()), (_rand(8, 12), _targets(12, (8,))))
+    _, _, vocab = _strategy_with(graph, find_node(graph, CE), (1, 4), "c")
+    extra = sorted((c.phase, c.operand, c.nbytes) for c in vocab.comm if c.operand != "out0")
+    assert extra == [("bwd", "softmax sum-exp grad", 8 * 4), ("fwd", "softmax max", 8 * 4),
+                     ("fwd", "softmax sum-exp", 8 * 4)]
