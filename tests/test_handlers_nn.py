@@ -121,7 +121,8 @@ def test_conv_bias_added_once_is_needed():
     cin = next(s for s in ns if "cin" in s.tags)
     check_strategy(op, handler, cin, operand_values(op, values))
     with pytest.raises(AssertionError):
-        check_strategy(op, dataclasses.replace(handler, kernel=default_kernel), cin, operand_values(op, values))
+        check_strategy(op, dataclasses.replace(handler, kernel=default_kernel), cin,
+                       operand_values(op, values))
 
 
 # -- pooling --------------------------------------------------------------------------------------
