@@ -10,6 +10,10 @@ from .mesh import MeshError, MeshSpec
 from .reshard import reshard_cost, reshard_plan
 from .specs import ShardSpec, SpecError
 from .strategy import AxisOption, CommAction, MemoryCost, Strategy
+from .plan import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
+from .solver.ilp import InfeasibleBudgetError
+# last: binds the name ``plan`` to the function (the module stays importable as autoshard.plan)
+from .api import BudgetError, plan
 
 __version__ = "0.1.0"
 
@@ -18,4 +22,6 @@ __all__ = [
     "MemoryCost", "MeshError", "MeshSpec", "NodeStrategies", "ShardSpec", "SpecError", "Strategy",
     "StrategyTable", "TensorMeta", "UnsupportedOpError", "available_profiles", "capture",
     "enumerate_strategies", "load_hardware", "reshard_cost", "reshard_plan",
+    "BudgetError", "InfeasibleBudgetError", "PLAN_FORMAT_VERSION", "Plan", "PlanError", "PlanMismatchError",
+    "plan",
 ]

@@ -18,6 +18,10 @@ Memory (bytes per device, at the start of backward): parameters + gradients + op
 Products of a binary decision with a linear expression E (0 <= E <= U) are linearised exactly by
 a variable z >= E - U (1 - b), z >= 0: z only appears with a positive coefficient in a minimised
 objective or on the left of a <= constraint, so it settles at b * E.
+
+Units inside the ILP are microseconds and GiB, so that coefficients stay within a few orders of
+magnitude of 1 (byte-valued big-M rows next to binaries make HiGHS report false infeasibility);
+everything outside is seconds and bytes.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from ..units import format_bytes
 from .costgraph import CGEdge, CGNode, CostGraph
 
 DECISIONS = ("keep", "recompute", "offload", "partitioned")
+T = 1e6          # ILP time unit: microseconds per second
+M = float(2**30) # ILP memory unit: bytes per GiB
 
 
 class InfeasibleBudgetError(ValueError):
@@ -50,6 +56,7 @@ class SolverOptions:
     time_limit: float = 60.0
     gap_rel: float = 0.0
     threads: int | None = None
+    fixed_decision: str | None = None         # force one memory decision on every segment (baselines)
 
 
 @dataclass
@@ -109,7 +116,8 @@ class Solution:
 class _Model:
     """The PuLP problem plus helpers to express per-strategy quantities linearly."""
 
-    def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize):
+    def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize,
+                 allowed: dict[str, Iterable[int]] | None = None):
         self.cg = cg
         self.options = options
         self.prob = pulp.LpProblem("autoshard", sense)
@@ -125,6 +133,17 @@ class _Model:
                 vs = [pulp.LpVariable(f"x{self._id()}_{s}", cat=pulp.LpBinary) for s in range(g.n_strategies)]
                 self.prob += pulp.lpSum(vs) == 1
                 self.x[g.key] = vs
+        for node, indices in (allowed or {}).items():
+            keep = set(indices)
+            xs = self.x[self.group_of[node]]
+            if not keep:
+                raise ValueError(f"restriction leaves node {node!r} without any strategy")
+            if len(xs) > 1:
+                for s, v in enumerate(xs):
+                    if s not in keep:
+                        v.upBound = 0
+            elif 0 not in keep:
+                raise ValueError(f"restriction forbids the only strategy of node {node!r}")
 
     def _id(self) -> int:
         self._n += 1
@@ -161,7 +180,7 @@ def _node_time_terms(m: _Model) -> list:
         node = m.cg.nodes[g.nodes[0]]
         per_strategy = node.costs.time()
         if np.any(per_strategy):
-            terms.append(g.count * m.choice_expr(node.name, per_strategy))
+            terms.append(g.count * m.choice_expr(node.name, per_strategy * T))
     return terms
 
 
@@ -174,7 +193,7 @@ def _edge_time_terms(m: _Model) -> list:
     terms = []
     for eg in m.cg.edge_groups():
         e = eg.edge
-        cost = e.fwd + (e.bwd if e.grad else 0.0)
+        cost = (e.fwd + (e.bwd if e.grad else 0.0)) * T
         if not np.any(cost):
             continue
         src_marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
@@ -270,27 +289,29 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
             item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
             opt_state = c.params / item * opts.optimizer_bytes_per_param
         if np.any(c.params + c.grads + opt_state):
-            static.append(g.count * m.choice_expr(node.name, c.params + c.grads + opt_state))
+            static.append(g.count * m.choice_expr(node.name, (c.params + c.grads + opt_state) / M))
         if node.segment is None and np.any(c.saved):
-            nonseg_act.append(g.count * m.choice_expr(node.name, c.saved))
+            nonseg_act.append(g.count * m.choice_expr(node.name, c.saved / M))
     segments = _segments(cg)
-    allowed = [d for d in DECISIONS if d in opts.decisions]
+    allowed = [opts.fixed_decision] if opts.fixed_decision else [d for d in DECISIONS if d in opts.decisions]
     working = m.var(name="W")
     seg_act, handles = [], {"segments": {}, "working": working}
+    classes: dict[tuple, list] = {}
     for seg in segments:
-        A = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.saved) for n in seg.nodes)
-        A_up = sum(_upper(cg.nodes[n].costs.saved) for n in seg.nodes)
-        F = pulp.lpSum(m.choice_expr(n, _forward_time(cg.nodes[n].costs)) for n in seg.nodes)
-        F_up = sum(_upper(_forward_time(cg.nodes[n].costs)) for n in seg.nodes)
-        B = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.compute_bwd) for n in seg.nodes)
+        A = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.saved / M) for n in seg.nodes)
+        A_up = sum(_upper(cg.nodes[n].costs.saved / M) for n in seg.nodes)
+        F = pulp.lpSum(m.choice_expr(n, _forward_time(cg.nodes[n].costs) * T) for n in seg.nodes)
+        F_up = sum(_upper(_forward_time(cg.nodes[n].costs) * T) for n in seg.nodes)
+        B = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.compute_bwd * T) for n in seg.nodes)
         ck_full, ck_part, ck_gather = [], [], []
         ck_up = ck_part_up = gather_up = 0.0
         for e in seg.ckpt_edges:
-            full = _spec_bytes(e, mesh_shape)
+            full_bytes = _spec_bytes(e, mesh_shape)
             rep = [math.prod(mesh_shape[a] for a in _replicated_axes(s, mesh_shape)) for s in e.src_specs]
+            full = full_bytes / M
             part = full / np.array(rep, dtype=float)
-            gather = np.array([collective_cost("all_gather", b, _replicated_axes(s, mesh_shape), mesh_shape, hw)
-                               for b, s in zip(full, e.src_specs)])
+            gather = T * np.array([collective_cost("all_gather", b, _replicated_axes(s, mesh_shape), mesh_shape, hw)
+                                   for b, s in zip(full_bytes, e.src_specs)])
             marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
             ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
             ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
@@ -311,15 +332,38 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
             seg_act.append(m.product(d["partitioned"], pulp.lpSum(ck_part), ck_part_up, "ckp"))
             objective_terms.append(m.product(d["partitioned"], F + pulp.lpSum(ck_gather), F_up + gather_up, "recp"))
         if "offload" in d:
-            bw = hw.host_device_bandwidth
+            per_gib = M / hw.host_device_bandwidth * T     # microseconds to move one GiB
             for phase_compute in (F, B):   # device->host in forward, host->device in backward
                 exposed = m.var(name="off")
-                m.prob += exposed >= (1.0 / bw) * A - phase_compute - (A_up / bw) * (1 - d["offload"])
+                m.prob += exposed >= per_gib * A - phase_compute - per_gib * A_up * (1 - d["offload"])
                 objective_terms.append(exposed)
         handles["segments"][seg.name] = d
+        _order_identical_segments(m, seg, d, allowed, classes)
     peak = pulp.lpSum(static) + pulp.lpSum(nonseg_act) + pulp.lpSum(seg_act) + working
     handles["static"] = pulp.lpSum(static)
     return peak, handles
+
+
+def _segment_class(m: _Model, seg: _Segment) -> tuple:
+    """Segments with equal keys have identical costs for every assignment of the shared variables."""
+    nodes = tuple(m.group_of[n] for n in seg.nodes)
+    ckpt = tuple((m.group_of[e.src], m.cg.nodes[e.src].members.index(e.src_member), e.src_output,
+                  m.group_of[e.dst], e.operand) for e in seg.ckpt_edges)
+    return nodes, ckpt
+
+
+def _order_identical_segments(m: _Model, seg: _Segment, d: dict, allowed: list[str], classes: dict) -> None:
+    """Symmetry breaking: identical segments take their decisions in a fixed order (rank is
+    non-decreasing along the block sequence). Any permutation of decisions among identical
+    segments has the same objective and memory, so this removes no objective value."""
+    key = _segment_class(m, seg)
+    rank = pulp.lpSum(i * d[k] for i, k in enumerate(allowed))
+    previous = classes.get(key)
+    if previous is not None:
+        m.prob += previous[-1] <= rank
+        previous.append(rank)
+    else:
+        classes[key] = [rank]
 
 
 def _pulp_solver(options: SolverOptions, msg: bool = False):
@@ -333,41 +377,58 @@ def _pulp_solver(options: SolverOptions, msg: bool = False):
     raise ValueError(f"unknown solver {options.solver!r}: use 'highs' or 'cbc'")
 
 
-def solve(cg: CostGraph, options: SolverOptions = SolverOptions()) -> Solution:
-    """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget."""
+def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
+          allowed: dict[str, Iterable[int]] | None = None) -> Solution:
+    """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget.
+
+    ``allowed`` restricts CGNodes to some strategy indices (how baseline plans are expressed:
+    e.g. parameters replicated and the batch sharded is data parallelism); a restriction on one
+    node of an alias group applies to the whole group.
+    """
     t0 = time.perf_counter()
-    m = _Model(cg, options)
+    m = _Model(cg, options, allowed=allowed)
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
     peak, handles = _memory_and_recompute(m, objective_terms)
     m.prob += pulp.lpSum(objective_terms)
     if options.memory_budget is not None:
-        m.prob += peak <= float(options.memory_budget)
+        m.prob += peak <= float(options.memory_budget) / M
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     m.prob.solve(_pulp_solver(options))
     solve_s = time.perf_counter() - t1
-    status = pulp.LpStatus[m.prob.status]
-    if status != "Optimal" and m.prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
-        if options.memory_budget is not None and status == "Infeasible":
-            raise InfeasibleBudgetError(_infeasible_message(cg, options))
+    status = _status(m.prob)
+    if status not in ("optimal", "feasible"):
+        if options.memory_budget is not None and status == "infeasible":
+            raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed))
         raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
                            "try a longer time_limit or solver='cbc'")
     return _readout(m, handles, status, build, solve_s)
 
 
-def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions()) -> tuple[float, MemoryPrediction]:
-    """The smallest per-device peak any plan reaches (all memory decisions allowed)."""
-    m = _Model(cg, options)
+def _status(prob: pulp.LpProblem) -> str:
+    """'optimal' only when the solver proved it; 'feasible' when it stopped early (time limit, gap)
+    with an integer solution. PuLP reports both as LpStatusOptimal; sol_status tells them apart."""
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "feasible"
+    return pulp.LpStatus[prob.status].lower()
+
+
+def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
+                   allowed: dict[str, Iterable[int]] | None = None) -> tuple[float, MemoryPrediction]:
+    """The smallest per-device peak any plan reaches under ``options`` and ``allowed``."""
+    m = _Model(cg, options, allowed=allowed)
     peak, handles = _memory_and_recompute(m, [])
     m.prob += peak
     m.prob.solve(_pulp_solver(options))
-    sol = _readout(m, handles, pulp.LpStatus[m.prob.status], 0.0, 0.0)
+    sol = _readout(m, handles, _status(m.prob), 0.0, 0.0)
     return sol.memory.peak, sol.memory
 
 
-def _infeasible_message(cg: CostGraph, options: SolverOptions) -> str:
-    need, mem = minimum_budget(cg, options)
+def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None) -> str:
+    need, mem = minimum_budget(cg, options, allowed)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
              "activations": mem.activations + mem.working_set}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
@@ -395,7 +456,7 @@ def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float
                 break
     decisions = {seg: max(d, key=lambda k: _value(d[k])) for seg, d in handles["segments"].items()}
     time_pred, mem = predict(cg, choice, decisions, m.options)
-    return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective), build, solve_s,
+    return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective) / T, build, solve_s,
                     m.prob.numVariables(), m.prob.numConstraints(), m.options.solver)
 
 

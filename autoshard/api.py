@@ -1,0 +1,187 @@
+"""The top-level planning call: model + example inputs + mesh + hardware + budget -> :class:`Plan`.
+
+:func:`plan` runs the pipeline once, in one direction: capture (torch.export on whatever tensors
+the inputs are; meta tensors allocate nothing) -> strategy enumeration -> cost graph -> the ILP
+-> a :class:`~autoshard.plan.Plan`. Inputs are validated first, with errors that say what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .capture import CapturedGraph, capture
+from .enumerate import enumerate_strategies
+from .hardware import HardwareProfile, load_hardware
+from .mesh import MeshError, MeshSpec
+from .plan import Plan
+from .solver.costgraph import build_cost_graph
+from .solver.ilp import SolverOptions, solve
+from .units import format_bytes, parse_bytes
+
+__all__ = ["BudgetError", "plan"]
+
+_SOLVERS = ("highs", "cbc")
+_FALLBACKS = ("error", "replicate")
+
+
+class BudgetError(ValueError):
+    """A memory budget that cannot be read or is not a positive size."""
+
+
+def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Mapping[str, Any] | None = None,
+         *, mesh: "MeshSpec | Sequence[int] | str | int", hardware: "str | HardwareProfile | Mapping" = "h100-nvlink",
+         memory_budget: "int | float | str | None" = None, optimizer_bytes_per_param: float = 8.0,
+         fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
+         solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
+         name: str | None = None, check_batch: bool = True) -> Plan:
+    """Plan sharding, recomputation and offloading of one training step of a model.
+
+    ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
+    tensors work and allocate nothing) or a :class:`CapturedGraph`. ``mesh``: ``(2, 4)``,
+    ``"2x4"`` or ``8`` (a 1D mesh). ``hardware``: a profile name from ``configs/hardware``, a YAML
+    path or a profile. ``memory_budget``: bytes per device or a size such as ``"40GiB"``; None
+    uses the profile's ``memory_per_device``. ``optimizer_bytes_per_param``: optimizer state per
+    parameter element (8 for AdamW in fp32). ``fallback="replicate"`` runs ops without a handler
+    replicated (listed in ``plan.fallbacks``). ``merge_followers``/``alias_blocks`` simplify the
+    cost graph (see :func:`autoshard.solver.build_cost_graph`). ``solver``, ``time_limit`` (s)
+    and ``gap_rel`` configure the ILP. ``progress`` shows each stage with its time on stderr.
+    ``name`` labels the model in the plan (default: the graph's name). ``check_batch``: require
+    the mesh size to divide dim 0 of every input tensor.
+
+    Raises :class:`MeshError` (malformed mesh, or a batch the mesh does not divide),
+    :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
+    :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
+    and :class:`~autoshard.solver.ilp.InfeasibleBudgetError` (naming the smallest feasible budget).
+    """
+    mesh_spec = _mesh(mesh)
+    hw = load_hardware(hardware)
+    budget = _budget(memory_budget, hw)
+    _check_choice("solver", solver, _SOLVERS)
+    _check_choice("fallback", fallback, _FALLBACKS)
+    if check_batch:
+        _check_batch(_input_shapes(model_or_graph, args, kwargs), mesh_spec)
+    options = SolverOptions(memory_budget=budget, optimizer_bytes_per_param=float(optimizer_bytes_per_param),
+                            solver=solver, time_limit=float(time_limit), gap_rel=float(gap_rel))
+    stages = _Stages(progress)
+    with stages("capture_s", f"capturing {name or _label(model_or_graph)}"):
+        graph = _captured(model_or_graph, args, kwargs, name)
+    with stages("enumerate_s", f"enumerating strategies on mesh {mesh_spec}"):
+        table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback)
+    with stages("costgraph_s", "building the cost graph"):
+        cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
+    budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
+    with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"):
+        solution = solve(cg, options)
+    timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
+    timings.pop("solve_wall_s")
+    return Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
+                              timings=timings)
+
+
+# -- validation ----------------------------------------------------------------------------------------
+
+def _mesh(mesh: Any) -> MeshSpec:
+    """A MeshSpec from any accepted form; MeshError (with the accepted forms) otherwise."""
+    try:
+        return MeshSpec.of(mesh)
+    except MeshError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise MeshError(f"mesh {mesh!r} is malformed ({e}); write it as (2, 4), '2x4' or 8") from None
+
+
+def _budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
+    """Bytes per device: the profile's memory when None, else a positive size."""
+    if value is None:
+        return int(hw.memory_per_device)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BudgetError(f"memory budget {value!r} must be a byte count or a size such as '40GiB'")
+    try:
+        budget = parse_bytes(value)
+    except ValueError as e:
+        raise BudgetError(f"memory budget: {e}") from None
+    if budget <= 0:
+        raise BudgetError(f"memory budget must be positive, got {value!r}; write e.g. '40GiB'")
+    return budget
+
+
+def _check_choice(label: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{label} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+
+
+def _input_shapes(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None) -> list[tuple[str, tuple]]:
+    """(where, shape) of every user-input tensor: from the graph, or from the example inputs."""
+    if isinstance(model_or_graph, CapturedGraph):
+        g = model_or_graph
+        return [(g.user_input_specs.get(p, p), tuple(g.tensor_meta(p).shape)) for p in g.user_inputs]
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    leaves, _ = pytree.tree_flatten_with_path((args, dict(kwargs or {})))
+    return [(_describe(path), tuple(leaf.shape)) for path, leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _describe(path: Sequence[Any]) -> str:
+    """``args[0]`` / ``kwargs['input_ids']`` for a pytree path of ``(args, kwargs)``."""
+    text = pytree.keystr(tuple(path))          # "[0][0]" or "[1]['input_ids']"
+    head, _, rest = text[1:].partition("]")
+    return ("args" if head == "0" else "kwargs") + rest
+
+
+def _check_batch(inputs: list[tuple[str, tuple]], mesh: MeshSpec) -> None:
+    """MeshError unless the mesh size divides dim 0 (the batch) of every input tensor."""
+    for where, shape in inputs:
+        if shape and shape[0] % mesh.size:
+            batch = shape[0]
+            multiple = (batch // mesh.size + 1) * mesh.size
+            raise MeshError(
+                f"the batch size {batch} (dim 0 of input {where}, shape {list(shape)}) is not divisible by "
+                f"the {mesh.size} devices of mesh {mesh}: use a batch that is a multiple of {mesh.size} "
+                f"(e.g. {multiple}), or a mesh whose size divides {batch}")
+
+
+# -- pipeline helpers ----------------------------------------------------------------------------------
+
+def _label(model_or_graph: Any) -> str:
+    return getattr(model_or_graph, "name", None) or type(model_or_graph).__name__
+
+
+def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, name: str | None) -> CapturedGraph:
+    if isinstance(model_or_graph, CapturedGraph):
+        return model_or_graph
+    if not isinstance(model_or_graph, nn.Module):
+        raise TypeError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}")
+    return capture(model_or_graph, args, kwargs, name=name)
+
+
+class _Stages:
+    """Times each stage; with ``progress``, shows a spinner while it runs and a line when done."""
+
+    def __init__(self, progress: bool) -> None:
+        self.seconds: dict[str, float] = {}
+        self.console = None
+        if progress:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, message: str) -> Iterator[None]:
+        start = time.perf_counter()
+        if self.console is None:
+            yield
+        else:
+            from rich.markup import escape
+
+            with self.console.status(f"{escape(message)}..."):
+                yield
+        self.seconds[key] = time.perf_counter() - start
+        if self.console is not None:
+            from rich.markup import escape
+
+            self.console.print(f"[green]done[/green] {escape(message)} ({self.seconds[key]:.2f} s)",
+                               highlight=False)

@@ -1,0 +1,848 @@
+"""The plan: what the solver decided, as plain, versioned, JSON-serialisable data.
+
+A :class:`Plan` is self-contained: it names the model and the fingerprint of its captured graph,
+the mesh, the full hardware profile, the memory budget and the solver options, and records, per
+graph node (named as torch.export names it), the chosen strategy with its input/output specs and
+modeled costs; per repeated-block segment the memory decision; every non-identity resharding
+between two nodes with its steps; and the predicted memory, step time and communication volume.
+
+It is stored as JSON (never pickle) and checked on load: a corrupt, truncated or foreign file
+raises :class:`PlanError`, a plan made for another model :class:`PlanMismatchError`.
+
+Cost conventions follow the cost graph: seconds per training step, bytes per device; a node's
+``params``/``grads`` memory is counted at the parameter's placeholder only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import io
+import json
+import math
+import os
+import types
+import typing
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Union
+
+from .hardware import HardwareError, HardwareProfile
+from .reshard import ReshardStep, reshard_plan
+from .specs import ShardSpec, SpecError
+from .strategy import BWD, FWD, Strategy
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from .capture import CapturedGraph
+    from .solver.costgraph import CGEdge, CostGraph
+    from .solver.ilp import Solution, SolverOptions
+
+__all__ = [
+    "CollectiveEntry", "CommEntry", "NodePlan", "PLAN_FORMAT_VERSION", "Plan", "PlanError",
+    "PlanMismatchError", "ReshardEntry", "SolverReport", "StepEntry",
+]
+
+PLAN_FORMAT_VERSION = 1
+"""Version of the JSON layout. Bump it on any incompatible change to the fields below."""
+
+RECOMPUTE = "recompute"
+"""Phase of collectives re-run when a recomputed segment's forward runs again in backward."""
+
+_RECOMPUTING = ("recompute", "partitioned")
+_SUMMARY_RESHARDS = 10
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used: corrupt, truncated, of another format version, or
+    missing fields."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan made for a different model (graph fingerprints differ)."""
+
+
+# -- entries -------------------------------------------------------------------------------------------
+
+@dataclass
+class CollectiveEntry:
+    """One collective of a node's strategy: ``kind`` over mesh ``axes`` on ``nbytes`` per device."""
+
+    kind: str
+    axes: list[int]
+    nbytes: int
+    phase: str
+    operand: str
+    cost: float
+
+
+@dataclass
+class NodePlan:
+    """The decision for one graph node and its modeled costs.
+
+    ``kind``: the fx op (placeholder, call_function, output). ``fqn``: the parameter/buffer FQN
+    or user-input path of a placeholder. ``inputs``/``outputs``: spec strings
+    (:meth:`ShardSpec.parse` reads them; ``None`` for a non-tensor output). ``memory``: bytes
+    per device (``params``, ``grads``, ``saved``, ``outputs``).
+    """
+
+    name: str
+    kind: str
+    op: str
+    module: str
+    fqn: str | None
+    segment: str | None
+    strategy: str
+    inputs: list[str]
+    outputs: list[str | None]
+    compute_fwd: float
+    compute_bwd: float
+    collectives: list[CollectiveEntry]
+    memory: dict[str, int]
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds of the node's own collectives (forward + backward)."""
+        return sum(c.cost for c in self.collectives)
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes per device of the node's own collectives (forward + backward)."""
+        return sum(c.nbytes for c in self.collectives)
+
+    def input_specs(self) -> list[ShardSpec]:
+        return [ShardSpec.parse(s) for s in self.inputs]
+
+    def output_specs(self) -> list[ShardSpec | None]:
+        return [None if s is None else ShardSpec.parse(s) for s in self.outputs]
+
+
+@dataclass
+class StepEntry:
+    """One resharding move (see :class:`autoshard.reshard.ReshardStep`)."""
+
+    kind: str
+    axis: int
+    dims: list[int]
+    nbytes: int
+    cost: float
+    after: str
+    text: str
+
+    @property
+    def is_collective(self) -> bool:
+        return ReshardStep(self.kind, self.axis, tuple(self.dims), self.nbytes, self.cost,
+                           ShardSpec.parse(self.after)).collective is not None
+
+
+@dataclass
+class ReshardEntry:
+    """Operand ``operand`` of ``dst`` reads output ``src_output`` of ``src`` in another layout.
+
+    ``fwd`` turns ``src_spec`` into ``dst_spec``; ``bwd`` (empty when no gradient flows) turns the
+    gradient, delivered in ``dst_spec``, back into ``src_spec``.
+    """
+
+    src: str
+    dst: str
+    operand: int
+    src_output: int
+    shape: list[int]
+    dtype: str
+    src_spec: str
+    dst_spec: str
+    fwd: list[StepEntry]
+    bwd: list[StepEntry]
+    cost_fwd: float
+    cost_bwd: float
+
+    @property
+    def cost(self) -> float:
+        return self.cost_fwd + self.cost_bwd
+
+
+@dataclass
+class CommEntry:
+    """Predicted bytes per device per training step of one (collective kind, mesh axes, phase)."""
+
+    kind: str
+    axes: list[int]
+    phase: str
+    nbytes: int
+    count: int
+
+
+@dataclass
+class SolverReport:
+    status: str
+    objective: float
+    build_seconds: float
+    solve_seconds: float
+    n_variables: int
+    n_constraints: int
+    solver: str
+
+
+# -- the plan ------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """A sharding + memory plan for one model on one mesh (plain data; see the module docstring).
+
+    Build it with :func:`autoshard.plan` or :meth:`Plan.from_solution`; store it with
+    :meth:`save` and :meth:`load`; read it with :meth:`explain` and :meth:`strategy_of`.
+    """
+
+    format_version: int
+    autoshard_version: str
+    model_name: str
+    fingerprint: str
+    mesh_shape: list[int]
+    hardware: dict[str, Any]
+    memory_budget: int | None
+    solver_options: dict[str, Any]
+    nodes: dict[str, NodePlan]
+    segments: dict[str, str]
+    reshards: list[ReshardEntry]
+    memory: dict[str, float]
+    time: dict[str, float]
+    comm: list[CommEntry]
+    solver: SolverReport
+    timings: dict[str, float]
+    fallbacks: list[str]
+    created: str
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_solution(cls, cg: "CostGraph", solution: "Solution", *, model_name: str,
+                      options: "SolverOptions", budget: int | None,
+                      timings: dict[str, float] | None = None) -> "Plan":
+        """The plan of an ILP ``solution`` over cost graph ``cg``.
+
+        ``budget`` is the per-device memory budget in bytes the solution was asked to meet (None:
+        unconstrained); ``timings`` the seconds of each planning stage.
+        """
+        from . import __version__
+
+        choice = cg.graph_choice(solution.choice)
+        nodes = {name: _node_plan(cg, name, _strategy(cg, name, choice)) for name in choice}
+        reshards = _reshards(cg, choice)
+        decisions = {seg: str(d) for seg, d in solution.decisions.items()}
+        return cls(
+            format_version=PLAN_FORMAT_VERSION,
+            autoshard_version=__version__,
+            model_name=model_name,
+            fingerprint=cg.graph.fingerprint(),
+            mesh_shape=[int(s) for s in cg.mesh.shape],
+            hardware=_jsonable(cg.hardware.to_dict()),
+            memory_budget=None if budget is None else int(budget),
+            solver_options=_jsonable(dataclasses.asdict(options)),
+            nodes=nodes,
+            segments=decisions,
+            reshards=reshards,
+            memory={k: float(v) for k, v in solution.memory.to_dict().items()},
+            time={k: float(v) for k, v in solution.time.to_dict().items()},
+            comm=_comm_entries(nodes.values(), reshards, decisions, _partition_gathers(cg, solution)),
+            solver=SolverReport(str(solution.status), float(solution.objective),
+                                float(solution.build_seconds), float(solution.solve_seconds),
+                                int(solution.n_variables), int(solution.n_constraints), str(solution.solver)),
+            timings={k: float(v) for k, v in (timings or {}).items()},
+            fallbacks=list(cg.table.fallbacks),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable data (dicts, lists, str, int, float, bool, None)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> "Plan":
+        """Validate ``data`` (as produced by :meth:`to_dict`) and build the plan; raises
+        :class:`PlanError` saying what is wrong. ``source`` names the data in messages."""
+        if not isinstance(data, dict):
+            raise PlanError(f"{source} is not an autoshard plan: expected a JSON object, got "
+                            f"{_type_name(data)}. {_REPLAN}")
+        version = data.get("format_version")
+        if version is None:
+            raise PlanError(f"{source} is not an autoshard plan: it has no 'format_version'. {_REPLAN}")
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(f"{source} has plan format version {version!r}, this autoshard reads version "
+                            f"{PLAN_FORMAT_VERSION}. {_REPLAN} with this version of autoshard.")
+        plan = _load(cls, data, source)
+        plan._validate(source)
+        return plan
+
+    def save(self, path: "str | os.PathLike[str]") -> Path:
+        """Write the plan as JSON (atomically: a crash leaves the old file or the new one)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike[str]", graph: "CapturedGraph | None" = None) -> "Plan":
+        """Read a plan saved by :meth:`save`. Raises :class:`PlanError` for a missing, corrupt,
+        truncated or foreign file, and, when ``graph`` is given, :class:`PlanMismatchError` if the
+        plan was made for another model."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}") from None
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file '{path}' is not valid JSON ({e}); it is corrupt or truncated. "
+                            f"{_REPLAN} (`autoshard plan ... --out {path}`).") from None
+        plan = cls.from_dict(data, source=f"plan file '{path}'")
+        if graph is not None:
+            plan.check(graph)
+        return plan
+
+    def check(self, graph: "CapturedGraph") -> None:
+        """Raise :class:`PlanMismatchError` unless ``graph`` is the graph this plan was made for."""
+        theirs = graph.fingerprint()
+        if theirs != self.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for model '{self.model_name}' (graph fingerprint {self.fingerprint}), "
+                f"but the given model '{graph.name}' has graph fingerprint {theirs}: the model, its input "
+                "shapes or dtypes differ. Re-plan for this model (autoshard.plan(model, inputs, ...) or "
+                "`autoshard plan`).")
+
+    def _validate(self, source: str) -> None:
+        """Cross-field checks the type check cannot do (specs parse, profile loads, mesh is 2D)."""
+        if len(self.mesh_shape) != 2 or any(s < 1 for s in self.mesh_shape):
+            raise PlanError(f"{source}: 'mesh_shape' must be two positive ints, got {self.mesh_shape}. {_REPLAN}.")
+        try:
+            HardwareProfile.from_dict(self.hardware)
+        except (HardwareError, TypeError, ValueError) as e:
+            raise PlanError(f"{source}: its hardware profile is malformed ({e}). {_REPLAN}.") from None
+        for node in self.nodes.values():
+            try:
+                node.input_specs()
+                node.output_specs()
+            except SpecError as e:
+                raise PlanError(f"{source}: node '{node.name}' has a malformed spec ({e}). {_REPLAN}.") from None
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def hardware_profile(self) -> HardwareProfile:
+        """The hardware profile the plan was made for (stored in full in the plan)."""
+        return HardwareProfile.from_dict(self.hardware)
+
+    def strategy_of(self, node: str) -> dict[str, Any]:
+        """The decision for graph node ``node``: op, module, strategy, specs and costs."""
+        entry = self.nodes.get(node)
+        if entry is None:
+            close = difflib.get_close_matches(node, list(self.nodes), n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise KeyError(f"the plan has no node {node!r}{hint}")
+        return dataclasses.asdict(entry)
+
+    def comm_bytes(self) -> dict[tuple[str, tuple[int, ...], str], int]:
+        """Predicted bytes per device per step by (collective kind, mesh axes, phase)."""
+        return {(c.kind, tuple(c.axes), c.phase): c.nbytes for c in self.comm}
+
+    @property
+    def mesh(self) -> str:
+        return "x".join(str(s) for s in self.mesh_shape)
+
+    # -- explanation ---------------------------------------------------------------------------
+
+    def summary_lines(self) -> list[str]:
+        """The explain summary: model, mesh, hardware, budget, memory, time, comm, solver."""
+        return _summary_lines(self)
+
+    def renderable(self, full: bool = False) -> "RenderableType":
+        """The explanation as a rich renderable (what :meth:`explain` renders)."""
+        return _renderable(self, full)
+
+    def explain(self, plain: bool = False, full: bool = False, width: int = 160) -> str:
+        """A human-readable account of the plan: a summary and a per-node table.
+
+        Repeated blocks with identical decisions are shown once ('model.layers.1-31: same as
+        model.layers.0') unless ``full``. ``plain`` gives ASCII text without colour codes;
+        otherwise rich tables (with ANSI styles) rendered to text.
+        """
+        if plain:
+            return _plain_text(self, full)
+        from rich.console import Console
+
+        console = Console(file=io.StringIO(), record=True, width=width, force_terminal=True,
+                          color_system="standard")
+        console.print(self.renderable(full))
+        return console.export_text(styles=True)
+
+    def __str__(self) -> str:
+        return "\n".join(self.summary_lines())
+
+
+_REPLAN = "Re-create the plan"
+
+
+# -- building entries ----------------------------------------------------------------------------------
+
+def _strategy(cg: "CostGraph", name: str, choice: dict[str, int]) -> Strategy:
+    return cg.table[name].strategies[choice[name]]
+
+
+def _node_plan(cg: "CostGraph", name: str, s: Strategy) -> NodePlan:
+    graph = cg.graph
+    ns = cg.table[name]
+    kind = graph.node(name).op
+    stores = kind == "placeholder"
+    m = s.memory
+    return NodePlan(
+        name=name, kind=kind, op=ns.op, module=ns.module_path, fqn=_fqn(graph, name),
+        segment=cg.nodes[cg.node_of[name]].segment, strategy=s.name,
+        inputs=[str(x) for x in s.input_specs],
+        outputs=[None if x is None else str(x) for x in s.output_specs],
+        compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
+        collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
+                                     float(c.cost)) for c in s.comm],
+        memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
+                "saved": int(m.saved), "outputs": int(m.outputs)},
+    )
+
+
+def _fqn(graph: "CapturedGraph", name: str) -> str | None:
+    for table in (graph.param_fqn, graph.buffer_fqn, graph.constant_fqn, graph.user_input_specs):
+        if name in table:
+            return str(table[name])
+    return None
+
+
+def _tensor_edges(cg: "CostGraph") -> Iterable[tuple[str, str, int, int, Any, bool]]:
+    """Every tensor edge of the graph as (producer, consumer, operand, producer output, tensor
+    meta, gradient flows): the cost graph's edges and those inside merged nodes."""
+    for e in cg.edges:
+        yield e.src_member, e.dst_member, e.operand, e.src_output, e.tensor, e.grad
+    graph = cg.graph
+    for node in cg.nodes.values():
+        for follower in node.members[1:]:
+            producer = cg.table[follower].operand_nodes[0]
+            out_idx = _output_index(cg, follower)
+            meta = graph.tensor_meta(producer)
+            meta = meta[out_idx] if isinstance(meta, tuple) else meta
+            if meta is None:
+                continue
+            grad = bool(meta.requires_grad and graph.requires_grad(follower))
+            yield producer, follower, 0, out_idx, meta, grad
+
+
+def _output_index(cg: "CostGraph", consumer: str) -> int:
+    """Which output of its (single) producer a merged follower reads (getitem of a tuple)."""
+    import operator
+
+    node = cg.graph.node(consumer)
+    producer = cg.table[consumer].operand_nodes[0]
+    if node.target is operator.getitem and isinstance(cg.graph.tensor_meta(producer), tuple):
+        return int(node.args[1])
+    return 0
+
+
+def _reshards(cg: "CostGraph", choice: dict[str, int]) -> list[ReshardEntry]:
+    """The non-identity reshardings under ``choice``, in graph order of their consumer."""
+    order = {name: i for i, name in enumerate(choice)}
+    out = []
+    for src, dst, operand, out_idx, meta, grad in _tensor_edges(cg):
+        src_spec = _strategy(cg, src, choice).output_specs[out_idx]
+        dst_spec = _strategy(cg, dst, choice).input_specs[operand]
+        if src_spec is None or src_spec == dst_spec:
+            continue
+        out.append(_reshard_entry(cg, src, dst, operand, out_idx, meta, grad, src_spec, dst_spec))
+    out.sort(key=lambda r: (order[r.dst], r.operand))
+    return out
+
+
+def _reshard_entry(cg: "CostGraph", src: str, dst: str, operand: int, out_idx: int, meta: Any,
+                   grad: bool, src_spec: ShardSpec, dst_spec: ShardSpec) -> ReshardEntry:
+    args = (meta.shape, meta.dtype.itemsize, cg.mesh.shape, cg.hardware)
+    fwd = reshard_plan(src_spec, dst_spec, *args)
+    bwd = reshard_plan(dst_spec, src_spec, *args) if grad else None
+    return ReshardEntry(
+        src=src, dst=dst, operand=operand, src_output=out_idx, shape=[int(d) for d in meta.shape],
+        dtype=str(meta.dtype).removeprefix("torch."), src_spec=str(src_spec), dst_spec=str(dst_spec),
+        fwd=[_step_entry(s) for s in fwd.steps], bwd=[_step_entry(s) for s in bwd.steps] if bwd else [],
+        cost_fwd=float(fwd.cost), cost_bwd=float(bwd.cost) if bwd else 0.0)
+
+
+def _step_entry(step: ReshardStep) -> StepEntry:
+    return StepEntry(step.kind, int(step.axis), [int(d) for d in step.dims], int(step.nbytes),
+                     float(step.cost), str(step.after), str(step))
+
+
+def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str, list[int], int]]:
+    """(segment, axes, bytes) of the all-gathers that rebuild partitioned checkpoints."""
+    parted = {seg for seg, d in solution.decisions.items() if d == "partitioned"}
+    if not parted:
+        return []
+    from .solver.ilp import _replicated_axes, _segments
+
+    mesh_shape = cg.mesh.shape
+    out = []
+    for seg in _segments(cg):
+        if seg.name not in parted:
+            continue
+        for e in seg.ckpt_edges:
+            spec = e.src_specs[e.src_index[solution.choice[e.src]]]
+            axes = list(_replicated_axes(spec, mesh_shape))
+            if axes:
+                out.append((seg.name, axes, spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize))
+    return out
+
+
+def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decisions: dict[str, str],
+                  gathers: list[tuple[str, list[int], int]]) -> list[CommEntry]:
+    """Bytes per device per step by (kind, axes, phase): every node's collectives and every
+    resharding's collective steps, forward and backward; plus, phase ``recompute``, what a
+    recomputed segment runs again (its nodes' forward collectives, the forward reshardings into
+    its nodes) and the all-gathers of partitioned checkpoints."""
+    totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:
+        t = totals[(kind, tuple(axes), phase)]
+        t[0] += int(nbytes)
+        t[1] += 1
+
+    segment_of = {}
+    for node in nodes:
+        segment_of[node.name] = node.segment
+        again = node.kind == "call_function" and decisions.get(node.segment or "") in _RECOMPUTING
+        for c in node.collectives:
+            add(c.kind, c.axes, c.phase, c.nbytes)
+            if again and c.phase == FWD:
+                add(c.kind, c.axes, RECOMPUTE, c.nbytes)
+    for r in reshards:
+        again = decisions.get(segment_of.get(r.dst) or "") in _RECOMPUTING
+        for phase, steps in ((FWD, r.fwd), (BWD, r.bwd)):
+            for step in steps:
+                if step.is_collective:
+                    add(step.kind, [step.axis], phase, step.nbytes)
+                    if again and phase == FWD:
+                        add(step.kind, [step.axis], RECOMPUTE, step.nbytes)
+    for _, axes, nbytes in gathers:
+        add("all_gather", axes, RECOMPUTE, nbytes)
+    return [CommEntry(kind, list(axes), phase, n, count)
+            for (kind, axes, phase), (n, count) in sorted(totals.items())]
+
+
+def _jsonable(x: Any) -> Any:
+    """Tuples to lists, numpy scalars to Python numbers, recursively (JSON round-trips equal)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):
+        return x.item()
+    return x
+
+
+# -- loading (typed validation of plain data) ------------------------------------------------------
+
+def _type_name(x: Any) -> str:
+    return "null" if x is None else {dict: "an object", list: "a list", str: "a string",
+                                     bool: "a boolean", int: "a number", float: "a number"}.get(type(x), type(x).__name__)
+
+
+def _load(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, checking every field against its type hint."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where} should be an object, got {_type_name(data)}. {_REPLAN}.")
+    hints = typing.get_type_hints(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    if missing:
+        raise PlanError(f"{where} lacks field(s) {', '.join(repr(m) for m in missing)}; the file is "
+                        f"incomplete or not an autoshard plan. {_REPLAN}.")
+    values = {f.name: _convert(data[f.name], hints[f.name], f"{where}: field '{f.name}'")
+              for f in dataclasses.fields(cls)}
+    return cls(**values)
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against ``hint`` (dataclasses, list[X], dict[str, X], unions, scalars)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _load(hint, value, where)
+    if origin in (Union, types.UnionType):
+        for option in args:
+            try:
+                return _convert(value, option, where)
+            except PlanError:
+                continue
+        raise _wrong_type(value, " or ".join(_hint_name(a) for a in args), where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _wrong_type(value, "a list", where)
+        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _wrong_type(value, "an object", where)
+        return {k: _convert(v, args[1], f"{where}['{k}']") for k, v in value.items()}
+    return _scalar(value, hint, where)
+
+
+def _scalar(value: Any, hint: Any, where: str) -> Any:
+    if hint is type(None):
+        if value is not None:
+            raise _wrong_type(value, "null", where)
+        return None
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint in (str, bool) and type(value) is hint:
+        return value
+    raise _wrong_type(value, _hint_name(hint), where)
+
+
+def _hint_name(hint: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _wrong_type(value: Any, expected: str, where: str) -> PlanError:
+    return PlanError(f"{where} should be {expected}, got {_type_name(value)} ({str(value)[:40]!r}); the "
+                     f"file is corrupt or not an autoshard plan. {_REPLAN}.")
+
+
+# -- explanation ---------------------------------------------------------------------------------------
+
+_TIME_PARTS = ("compute", "comm", "reshard", "recompute", "offload")
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "working_set")
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds == 0:
+        return "0"
+    if abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    if abs(seconds) < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+def _summary_lines(plan: Plan) -> list[str]:
+    budget = "unconstrained" if plan.memory_budget is None else f"{format_bytes(plan.memory_budget)} per device"
+    devices = math.prod(plan.mesh_shape)
+    mem, t, s = plan.memory, plan.time, plan.solver
+    lines = [
+        f"autoshard plan for {plan.model_name} (graph fingerprint {plan.fingerprint[:16]}, "
+        f"{len(plan.nodes)} nodes)",
+        f"mesh {plan.mesh} ({devices} devices), hardware {plan.hardware.get('name', '?')}, "
+        f"memory budget {budget}",
+        "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = " + " + ".join(
+            f"{k.replace('_', ' ')} {format_bytes(mem.get(k, 0.0))}" for k in _MEMORY_PARTS),
+        "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(
+            f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),
+        _comm_line(plan),
+        _decision_line(plan),
+        f"solver: {s.solver} {s.status}, objective {_fmt_time(s.objective)}, build {s.build_seconds:.2f} s + "
+        f"solve {s.solve_seconds:.2f} s, {s.n_variables} variables, {s.n_constraints} constraints",
+    ]
+    if plan.timings:
+        lines.append("planning time: " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f} s" for k, v in plan.timings.items()))
+    if plan.fallbacks:
+        lines.append(f"replicated without a handler (fallback): {'; '.join(plan.fallbacks)}")
+    return lines
+
+
+def _comm_line(plan: Plan) -> str:
+    by_phase: Counter[str] = Counter()
+    for c in plan.comm:
+        by_phase[c.phase] += c.nbytes
+    parts = ", ".join(f"{phase} {format_bytes(n)}" for phase, n in sorted(by_phase.items()))
+    total = sum(by_phase.values())
+    return (f"communication per step and device: {format_bytes(total)}" + (f" ({parts})" if parts else "")
+            + f"; {len(plan.reshards)} reshardings")
+
+
+def _decision_line(plan: Plan) -> str:
+    if not plan.segments:
+        return "memory decisions: none (no repeated blocks)"
+    by_decision: dict[str, list[str]] = defaultdict(list)
+    for seg, d in plan.segments.items():
+        by_decision[d].append(seg)
+    parts = [f"{d} {len(segs)} ({_ranges(segs)})" for d, segs in sorted(by_decision.items())]
+    return "memory decisions per segment: " + ", ".join(parts)
+
+
+def _split_segment(seg: str) -> tuple[str, int] | None:
+    prefix, _, idx = seg.rpartition(".")
+    return (prefix, int(idx)) if idx.isdigit() else None
+
+
+def _ranges(segments: list[str]) -> str:
+    """'model.layers.0-3, model.layers.7' for a list of segment names."""
+    by_prefix: dict[str, list[int]] = defaultdict(list)
+    others = []
+    for seg in segments:
+        parts = _split_segment(seg)
+        if parts is None:
+            others.append(seg)
+        else:
+            by_prefix[parts[0]].append(parts[1])
+    out = []
+    for prefix, idx in by_prefix.items():
+        for lo, hi in _runs(sorted(idx)):
+            label = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            out.append(f"{prefix}.{label}" if prefix else label)
+    return ", ".join(out + others)
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+@dataclass
+class _Row:
+    node: str
+    module: str
+    op: str
+    strategy: str
+    comm: str
+    memory: str
+    group: bool = False
+
+
+def _short_op(op: str) -> str:
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def _node_row(n: NodePlan) -> _Row:
+    comm = "-" if not n.collectives else f"{format_bytes(n.comm_bytes)} / {_fmt_time(n.comm_seconds)}"
+    held = n.memory["params"] + n.memory["grads"] + n.memory["saved"]
+    return _Row(n.name, n.module or (n.fqn or ""), _short_op(n.op), n.strategy, comm,
+                format_bytes(held) if held else "-")
+
+
+def _segment_signature(plan: Plan, seg: str, names: list[str]) -> tuple:
+    """What must match for a segment to be shown as 'same as' another: per node its kind, op,
+    module (relative to the segment), strategy and specs; and the segment's memory decision."""
+    def rel(path: str | None) -> str:
+        return (path or "").replace(seg, "<block>", 1)
+
+    nodes = tuple((n.kind, n.op, rel(n.module), rel(n.fqn), n.strategy, tuple(n.inputs), tuple(n.outputs))
+                  for n in (plan.nodes[x] for x in names))
+    return nodes, plan.segments.get(seg)
+
+
+def _collapsed_runs(plan: Plan) -> dict[str, tuple[str, str, int]]:
+    """Representative segment -> (label of the segments it stands for, representative, nodes per
+    segment), for runs of consecutive identical segments; hidden segments map to ''."""
+    members: dict[str, list[str]] = defaultdict(list)
+    for n in plan.nodes.values():
+        if n.segment is not None:
+            members[n.segment].append(n.name)
+    by_prefix: dict[str, list[int]] = defaultdict(list)
+    for seg in members:
+        parts = _split_segment(seg)
+        if parts is not None:
+            by_prefix[parts[0]].append(parts[1])
+    out: dict[str, tuple[str, str, int]] = {}
+    for prefix, indices in by_prefix.items():
+        name = (lambda i: f"{prefix}.{i}" if prefix else str(i))
+        sigs = {i: _segment_signature(plan, name(i), members[name(i)]) for i in indices}
+        run: list[int] = []
+        for i in sorted(indices) + [None]:  # type: ignore[list-item]
+            if run and i is not None and i == run[-1] + 1 and sigs[i] == sigs[run[0]]:
+                run.append(i)
+                continue
+            if len(run) > 1:
+                rep = name(run[0])
+                label = name(f"{run[1]}-{run[-1]}" if len(run) > 2 else run[1])
+                out[rep] = (label, rep, len(members[rep]))
+                for j in run[1:]:
+                    out[name(j)] = ("", rep, 0)
+            run = [i] if i is not None else []
+    return out
+
+
+def _rows(plan: Plan, full: bool) -> list[_Row]:
+    """The per-node rows; unless ``full``, runs of identical segments become one row after the
+    last node of their first segment."""
+    runs = {} if full else _collapsed_runs(plan)
+    last_of: dict[str, str] = {}
+    for n in plan.nodes.values():
+        if n.segment is not None:
+            last_of[n.segment] = n.name
+    rows = []
+    for n in plan.nodes.values():
+        run = runs.get(n.segment or "")
+        if run is not None and run[0] == "":
+            continue
+        rows.append(_node_row(n))
+        if run is not None and last_of[n.segment] == n.name:   # type: ignore[index]
+            label, rep, count = run
+            rows.append(_Row(label, "", "", f"same as {rep} ({count} nodes each)", "", "", group=True))
+    return rows
+
+
+def _reshard_rows(plan: Plan, full: bool) -> list[list[str]]:
+    chosen = plan.reshards if full else sorted(plan.reshards, key=lambda r: -r.cost)[:_SUMMARY_RESHARDS]
+    return [[f"{r.src} -> {r.dst}[{r.operand}]", f"{r.src_spec} -> {r.dst_spec}",
+             "; ".join(s.text for s in r.fwd) or "-", _fmt_time(r.cost)] for r in chosen]
+
+
+_NODE_COLUMNS = ("node", "module", "op", "strategy", "comm (bytes / time)", "memory")
+_RESHARD_COLUMNS = ("edge", "specs", "forward steps", "cost fwd+bwd")
+
+
+def _reshard_title(plan: Plan, full: bool) -> str:
+    if full or len(plan.reshards) <= _SUMMARY_RESHARDS:
+        return f"reshardings ({len(plan.reshards)})"
+    return f"reshardings: the {_SUMMARY_RESHARDS} most expensive of {len(plan.reshards)} (full=True lists all)"
+
+
+def _renderable(plan: Plan, full: bool) -> "RenderableType":
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    summary = Text("\n".join(_summary_lines(plan)))
+    nodes = Table(*_NODE_COLUMNS, title="per-node decisions", title_justify="left")
+    for r in _rows(plan, full):
+        cells = [escape(x) for x in (r.node, r.module, r.op, r.strategy, r.comm, r.memory)]
+        nodes.add_row(*cells, style="dim italic" if r.group else None)
+    parts: list = [summary, nodes]
+    if plan.reshards:
+        reshards = Table(*_RESHARD_COLUMNS, title=_reshard_title(plan, full), title_justify="left")
+        for row in _reshard_rows(plan, full):
+            reshards.add_row(*(escape(x) for x in row))
+        parts.append(reshards)
+    return Group(*parts)
+
+
+def _plain_table(title: str, header: Iterable[str], rows: list[list[str]]) -> list[str]:
+    header = list(header)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [title, line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _plain_text(plan: Plan, full: bool) -> str:
+    rows = [[r.node, r.module, r.op, r.strategy, r.comm, r.memory] for r in _rows(plan, full)]
+    lines = _summary_lines(plan) + [""] + _plain_table("per-node decisions", _NODE_COLUMNS, rows)
+    if plan.reshards:
+        lines += [""] + _plain_table(_reshard_title(plan, full), _RESHARD_COLUMNS, _reshard_rows(plan, full))
+    return "\n".join(lines) + "\n"
