@@ -1,4 +1,4 @@
-"""The ``autoshard`` command line: ops, capture, enumerate, profile."""
+"""The ``autoshard`` command line: ops, capture, enumerate, plan, explain, profile."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,40 @@ def _enumerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Plan a model (with progress on stderr), print the explanation, optionally save the plan."""
+    from .api import plan
+
+    with Console(stderr=True).status(f"building {escape(args.model)}..."):
+        model, margs, mkwargs = _build(args)
+    result = plan(model, margs, mkwargs, mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
+                  optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
+                  merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
+                  time_limit=args.time_limit, gap_rel=args.gap, progress=True, name=args.model)
+    _print_plan(result, full=args.full, plain=args.plain)
+    if args.out:
+        result.save(args.out)
+        console.print(f"wrote {escape(str(args.out))}", highlight=False)
+    else:
+        console.print("(not saved: pass --out plan.json to save the plan)", highlight=False)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """Print the explanation of a saved plan."""
+    from .plan import Plan
+
+    _print_plan(Plan.load(args.plan), full=args.full, plain=args.plain)
+    return 0
+
+
+def _print_plan(result, *, full: bool, plain: bool) -> None:
+    if plain:
+        sys.stdout.write(result.explain(plain=True, full=full))
+    else:
+        console.print(result.renderable(full=full))
+
+
 def _profile(args: argparse.Namespace) -> int:
     from .profile import run_profile
 
@@ -108,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seq", type=int, default=None)
         sp.add_argument("--layers", type=int, default=None, help="override the number of layers")
 
+    def explain_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--full", action="store_true", help="list every node (no grouping of identical blocks)")
+        sp.add_argument("--plain", action="store_true", help="plain text, no colours or box drawing")
+
     cap = sub.add_parser("capture", help="capture a model on meta tensors and summarise its graph")
     model_args(cap)
     cap.set_defaults(fn=_capture)
@@ -121,6 +159,29 @@ def build_parser() -> argparse.ArgumentParser:
     en.add_argument("--json", help="write all strategies to this JSON file")
     en.set_defaults(fn=_enumerate)
 
+    pl = sub.add_parser("plan", help="plan sharding + memory decisions for a model and save the plan")
+    model_args(pl)
+    pl.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8")
+    pl.add_argument("--hardware", default="h100-nvlink", help="profile name or YAML path")
+    pl.add_argument("--budget", default=None,
+                    help="memory budget per device, e.g. 40GiB (default: the profile's memory per device)")
+    pl.add_argument("--out", default=None, help="write the plan to this JSON file")
+    pl.add_argument("--optimizer-bytes", type=float, default=8.0,
+                    help="optimizer state bytes per parameter element (AdamW fp32: 8)")
+    pl.add_argument("--solver", choices=["highs", "cbc"], default="highs")
+    pl.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    pl.add_argument("--gap", type=float, default=0.0, help="relative optimality gap the ILP may stop at")
+    pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
+    pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
+    pl.add_argument("--fallback", choices=["error", "replicate"], default="error")
+    explain_args(pl)
+    pl.set_defaults(fn=_plan)
+
+    ex = sub.add_parser("explain", help="explain a saved plan: summary and per-node decisions")
+    ex.add_argument("plan", help="plan JSON file written by `autoshard plan --out`")
+    explain_args(ex)
+    ex.set_defaults(fn=_explain)
+
     from .profile import add_profile_arguments
 
     prof = sub.add_parser("profile", help="measure a hardware profile (run under torchrun)")
@@ -129,9 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by the user's input: reported in one line, exit code 2, no traceback."""
+    from .api import BudgetError
+    from .capture import CaptureError
+    from .enumerate import UnsupportedOpError
+    from .hardware import HardwareError
+    from .mesh import MeshError
+    from .models import ModelZooError
+    from .plan import PlanError
+    from .solver.ilp import InfeasibleBudgetError
+
+    return (BudgetError, CaptureError, HardwareError, InfeasibleBudgetError, MeshError, ModelZooError,
+            PlanError, UnsupportedOpError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except _user_errors() as e:
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"autoshard {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

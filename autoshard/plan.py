@@ -229,7 +229,7 @@ class Plan:
         from . import __version__
 
         choice = cg.graph_choice(solution.choice)
-        nodes = {name: _node_plan(cg, name, _strategy(cg, name, choice)) for name in choice}
+        nodes = {ns.node: _node_plan(cg, ns.node, _strategy(cg, ns.node, choice)) for ns in cg.table}
         reshards = _reshards(cg, choice)
         decisions = {seg: str(d) for seg, d in solution.decisions.items()}
         return cls(
@@ -450,7 +450,7 @@ def _output_index(cg: "CostGraph", consumer: str) -> int:
 
 def _reshards(cg: "CostGraph", choice: dict[str, int]) -> list[ReshardEntry]:
     """The non-identity reshardings under ``choice``, in graph order of their consumer."""
-    order = {name: i for i, name in enumerate(choice)}
+    order = {ns.node: i for i, ns in enumerate(cg.table)}
     out = []
     for src, dst, operand, out_idx, meta, grad in _tensor_edges(cg):
         src_spec = _strategy(cg, src, choice).output_specs[out_idx]
@@ -813,21 +813,30 @@ def _reshard_title(plan: Plan, full: bool) -> str:
 def _renderable(plan: Plan, full: bool) -> "RenderableType":
     from rich.console import Group
     from rich.markup import escape
-    from rich.table import Table
     from rich.text import Text
 
     summary = Text("\n".join(_summary_lines(plan)))
-    nodes = Table(*_NODE_COLUMNS, title="per-node decisions", title_justify="left")
+    nodes = _table(_NODE_COLUMNS, "per-node decisions")
     for r in _rows(plan, full):
         cells = [escape(x) for x in (r.node, r.module, r.op, r.strategy, r.comm, r.memory)]
         nodes.add_row(*cells, style="dim italic" if r.group else None)
     parts: list = [summary, nodes]
     if plan.reshards:
-        reshards = Table(*_RESHARD_COLUMNS, title=_reshard_title(plan, full), title_justify="left")
+        reshards = _table(_RESHARD_COLUMNS, _reshard_title(plan, full))
         for row in _reshard_rows(plan, full):
             reshards.add_row(*(escape(x) for x in row))
         parts.append(reshards)
     return Group(*parts)
+
+
+def _table(columns: Iterable[str], title: str) -> Any:
+    """A rich table whose cells wrap rather than being cut off with an ellipsis."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    return table
 
 
 def _plain_table(title: str, header: Iterable[str], rows: list[list[str]]) -> list[str]:

@@ -297,28 +297,13 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
     working = m.var(name="W")
     seg_act, handles = [], {"segments": {}, "working": working}
     classes: dict[tuple, list] = {}
+    shared: dict[tuple, _SegmentTerms] = {}
     for seg in segments:
-        A = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.saved / M) for n in seg.nodes)
-        A_up = sum(_upper(cg.nodes[n].costs.saved / M) for n in seg.nodes)
-        F = pulp.lpSum(m.choice_expr(n, _forward_time(cg.nodes[n].costs) * T) for n in seg.nodes)
-        F_up = sum(_upper(_forward_time(cg.nodes[n].costs) * T) for n in seg.nodes)
-        B = pulp.lpSum(m.choice_expr(n, cg.nodes[n].costs.compute_bwd * T) for n in seg.nodes)
-        ck_full, ck_part, ck_gather = [], [], []
-        ck_up = ck_part_up = gather_up = 0.0
-        for e in seg.ckpt_edges:
-            full_bytes = _spec_bytes(e, mesh_shape)
-            rep = [math.prod(mesh_shape[a] for a in _replicated_axes(s, mesh_shape)) for s in e.src_specs]
-            full = full_bytes / M
-            part = full / np.array(rep, dtype=float)
-            gather = T * np.array([collective_cost("all_gather", b, _replicated_axes(s, mesh_shape), mesh_shape, hw)
-                                   for b, s in zip(full_bytes, e.src_specs)])
-            marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
-            ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
-            ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
-            ck_gather.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(gather)))
-            ck_up += _upper(full)
-            ck_part_up += _upper(part)
-            gather_up += _upper(gather)
+        key = _segment_class(m, seg)
+        if key not in shared:
+            shared[key] = _segment_terms(m, seg)
+        st = shared[key]
+        A, A_up, F, F_up, B = st.saved, st.saved_up, st.fwd, st.fwd_up, st.bwd
         d = {k: m.var(0, 1, pulp.LpBinary, name=f"d_{k}_") for k in allowed}
         m.prob += pulp.lpSum(d.values()) == 1
         keep = d.get("keep", 0)
@@ -326,11 +311,11 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
         if A_up > 0:   # working set: the largest segment that is not kept is rebuilt/brought back
             m.prob += working >= A - A_up * keep
         if "recompute" in d:
-            seg_act.append(m.product(d["recompute"], pulp.lpSum(ck_full), ck_up, "ck"))
+            seg_act.append(m.product(d["recompute"], st.ckpt, st.ckpt_up, "ck"))
             objective_terms.append(m.product(d["recompute"], F, F_up, "rec"))
         if "partitioned" in d:
-            seg_act.append(m.product(d["partitioned"], pulp.lpSum(ck_part), ck_part_up, "ckp"))
-            objective_terms.append(m.product(d["partitioned"], F + pulp.lpSum(ck_gather), F_up + gather_up, "recp"))
+            seg_act.append(m.product(d["partitioned"], st.ckpt_part, st.ckpt_part_up, "ckp"))
+            objective_terms.append(m.product(d["partitioned"], F + st.gather, F_up + st.gather_up, "recp"))
         if "offload" in d:
             per_gib = M / hw.host_device_bandwidth * T     # microseconds to move one GiB
             for phase_compute in (F, B):   # device->host in forward, host->device in backward
@@ -342,6 +327,60 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
     peak = pulp.lpSum(static) + pulp.lpSum(nonseg_act) + pulp.lpSum(seg_act) + working
     handles["static"] = pulp.lpSum(static)
     return peak, handles
+
+
+@dataclass
+class _SegmentTerms:
+    """Linear quantities of a segment (ILP units), each held by one variable shared by every
+    segment of the same class, with its upper bound for the exact products."""
+
+    saved: object
+    saved_up: float
+    fwd: object
+    fwd_up: float
+    bwd: object
+    ckpt: object
+    ckpt_up: float
+    ckpt_part: object
+    ckpt_part_up: float
+    gather: object
+    gather_up: float
+
+
+def _segment_terms(m: _Model, seg: _Segment) -> _SegmentTerms:
+    """Saved activations (GiB), forward/backward time (us), checkpoint size in full and
+    partitioned form (GiB) and the all-gather time of a partitioned checkpoint (us)."""
+    cg, mesh_shape, hw = m.cg, m.cg.mesh.shape, m.cg.hardware
+    costs = [cg.nodes[n].costs for n in seg.nodes]
+    ck_full, ck_part, ck_gather = [], [], []
+    ck_up = ck_part_up = gather_up = 0.0
+    for e in seg.ckpt_edges:
+        full_bytes = _spec_bytes(e, mesh_shape)
+        axes = [_replicated_axes(s, mesh_shape) for s in e.src_specs]
+        full = full_bytes / M
+        part = full / np.array([math.prod(mesh_shape[a] for a in ax) for ax in axes], dtype=float)
+        gather = T * np.array([collective_cost("all_gather", b, ax, mesh_shape, hw) for b, ax in zip(full_bytes, axes)])
+        marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
+        ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
+        ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
+        ck_gather.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(gather)))
+        ck_up, ck_part_up, gather_up = ck_up + _upper(full), ck_part_up + _upper(part), gather_up + _upper(gather)
+
+    def held(expr) -> object:
+        v = m.var(name="seg")
+        m.prob += v == expr
+        return v
+
+    return _SegmentTerms(
+        saved=held(pulp.lpSum(m.choice_expr(n, c.saved / M) for n, c in zip(seg.nodes, costs))),
+        saved_up=sum(_upper(c.saved / M) for c in costs),
+        fwd=held(pulp.lpSum(m.choice_expr(n, _forward_time(c) * T) for n, c in zip(seg.nodes, costs))),
+        fwd_up=sum(_upper(_forward_time(c) * T) for c in costs),
+        bwd=held(pulp.lpSum(m.choice_expr(n, c.compute_bwd * T) for n, c in zip(seg.nodes, costs))),
+        ckpt=held(pulp.lpSum(ck_full)), ckpt_up=ck_up,
+        ckpt_part=held(pulp.lpSum(ck_part)), ckpt_part_up=ck_part_up,
+        gather=held(pulp.lpSum(ck_gather)), gather_up=gather_up,
+    )
 
 
 def _segment_class(m: _Model, seg: _Segment) -> tuple:

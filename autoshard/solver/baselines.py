@@ -1,0 +1,430 @@
+"""Baselines: hand-written parallelism plans, priced by the same cost model as autoshard's plans.
+
+A baseline is a *restriction* of the cost graph: for some CGNodes (parameter and user-input
+placeholders) only the strategies whose output spec is the one the hand plan prescribes are
+allowed (an ``allowed`` mask, CGNode name -> strategy indices). :func:`solve_baseline` hands that
+mask to the same ILP with every segment's memory decision fixed to ``keep`` (no recompute, no
+offload: these are plain parallelism baselines). Every other node stays free, so each baseline
+is the *best plan within its family* under the same cost model: an apples-to-apples comparison,
+and one that flatters the baselines rather than the solver.
+
+Families (``mesh_shape`` is 2D; axes of size 1 never shard):
+
+- :func:`data_parallel`: every parameter replicated; every user input sharded on its batch dim
+  (dim 0) over all mesh axes of size > 1 (``S01`` on a 2D mesh, ``S1`` on ``(1, n)``).
+- :func:`megatron`: Megatron-LM tensor parallelism on ``tp_axis`` (default 1, the fast
+  intra-node axis) with data parallelism on the other axis. Column-parallel linears shard their
+  output features, row-parallel ones their input features (bias replicated), embeddings are
+  vocab-parallel, the LM head is column-parallel on the vocabulary; norms and everything else
+  are replicated. User inputs are batch-sharded over the data-parallel axis.
+- :func:`zero3`: ZeRO-3 / FSDP: every parameter sharded over all devices (``S01`` on dim 0 when
+  it divides, else the largest dim that divides, else replicated); inputs batch-sharded over
+  all axes.
+
+Column vs row (Megatron). Known module names decide first (:data:`COLUMN_NAMES`,
+:data:`ROW_NAMES`, matched as a suffix of the module path). For any other linear, the
+*alternation rule*: take the parameter-consuming matmuls (``linear``/``addmm``/``mm``) of one
+repeated block (``model.layers.3``; everything outside blocks is one group) in graph order,
+split them into maximal runs that read the same activation tensor (q/k/v read the same normed
+hidden state, as do gate/up), and alternate: runs 0, 2, 4, ... are column-parallel, runs 1, 3,
+... row-parallel. On GPT-2, Llama and BERT this reproduces the name table (a test checks it).
+
+Cost-model caveats (quoted in the benchmark notes):
+
+- ZeRO-3's parameter all-gather before use is the resharding on the edge parameter ->
+  consumer (``S01R -> RR``). Gradient sync is modeled as the consumer's all-reduce of its
+  partial weight gradient followed by a free local split back to the shard (``RR -> S01R``),
+  not as a reduce-scatter: the gradient traffic is over-estimated by up to 2x. The backward
+  re-gather of parameters that FSDP does (it frees gathered weights after forward) is not
+  modeled either; in ring terms the two roughly cancel (all-gather + all-reduce = 2 all-gathers
+  + 1 reduce-scatter, FSDP's total), but per phase the split differs.
+- The gathered (ZeRO-3) or resharded copies of parameters are not counted as memory.
+- "Free" nodes may pick any layout the cost model prices: a baseline is the best member of its
+  family, not one particular implementation of it.
+
+Fallbacks are never silent: when a prescribed spec does not divide a tensor (e.g. GPT-2's
+50257-token vocabulary over 2 devices) the node falls back to replicated (inputs: to the
+largest subset of the axes that divides) and a note says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from itertools import combinations
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..specs import ShardSpec
+from .costgraph import CGNode, CostGraph, block_of
+from .ilp import SolverOptions, Solution, minimum_budget, solve
+
+__all__ = [
+    "BASELINES", "BaselineResult", "COLUMN_NAMES", "ROW_NAMES", "Restriction", "baseline_minimum_budget",
+    "data_parallel", "input_nodes", "linear_roles", "megatron", "parameter_nodes", "restriction",
+    "solve_baseline", "zero3",
+]
+
+aten = torch.ops.aten
+
+COLUMN_NAMES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "c_attn", "c_fc",
+    "query", "key", "value", "query_key_value", "intermediate.dense", "dense_h_to_4h", "fc1", "w1", "w3",
+    "lm_head",
+)
+"""Module names (path suffixes) of column-parallel linears: shard the output features."""
+
+ROW_NAMES: tuple[str, ...] = (
+    "o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "out_proj",
+    "dense_4h_to_h", "fc2", "w2",
+)
+"""Module names (path suffixes) of row-parallel linears: shard the input features."""
+
+COLUMN, ROW = "column", "row"
+
+
+class Restriction(NamedTuple):
+    """A baseline as a restriction: CGNode name -> allowed strategy indices, and notes on every
+    place where the hand plan could not be followed (or was followed in a non-obvious way)."""
+
+    allowed: dict[str, list[int]]
+    notes: list[str]
+
+
+class BaselineResult(NamedTuple):
+    """The best plan of a baseline family, the notes of its restriction, and the restriction."""
+
+    solution: Solution
+    notes: list[str]
+    allowed: dict[str, list[int]]
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+def _axes(mesh_shape: Sequence[int], exclude: Iterable[int] = ()) -> tuple[int, ...]:
+    """Mesh axes of size > 1, minus ``exclude``, outer first."""
+    skip = set(exclude)
+    return tuple(a for a, n in enumerate(mesh_shape) if n > 1 and a not in skip)
+
+
+def _spec(ndim: int, dim: int | None = None, axes: Sequence[int] = ()) -> ShardSpec:
+    """``ndim``-rank spec sharding ``dim`` over ``axes`` (replicated when ``dim`` is None or no axes)."""
+    spec = ShardSpec.replicate(ndim)
+    return spec if dim is None or not axes else spec.with_dim(dim, tuple(sorted(axes)))
+
+
+def _indices(node: CGNode, spec: ShardSpec) -> list[int]:
+    """Strategies of a (placeholder) CGNode whose output spec is ``spec``."""
+    return [c for c, s in enumerate(node.strategies) if s.output_specs and s.output_specs[0] == spec]
+
+
+def _pattern(fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn.bias`` -> ``transformer.h.*.attn.c_attn.bias`` (for notes)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+
+
+class _Notes:
+    """Notes grouped by message over repeated blocks: one line per distinct message, with a count."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, message: str) -> None:
+        self._counts[message] = self._counts.get(message, 0) + 1
+
+    def lines(self) -> list[str]:
+        return [m if n == 1 else f"{m} (x{n})" for m, n in self._counts.items()]
+
+
+class _Plan:
+    """Accumulates the restriction of one baseline."""
+
+    def __init__(self, cg: CostGraph, family: str) -> None:
+        self.cg = cg
+        self.family = family
+        self.mesh_shape = cg.mesh.shape
+        self.allowed: dict[str, list[int]] = {}
+        self.notes = _Notes()
+
+    def name(self, node: CGNode) -> str:
+        member = node.members[0]
+        g = self.cg.graph
+        return _pattern(g.param_fqn.get(member) or g.user_input_specs.get(member, member))
+
+    def require(self, node: CGNode, spec: ShardSpec, why: str = "") -> bool:
+        """Allow only ``spec`` on ``node``; if no strategy has it, fall back to replicated and
+        note it. Returns whether the prescribed spec was available."""
+        idx = _indices(node, spec)
+        if idx:
+            self.allowed[node.name] = idx
+            return True
+        rep = ShardSpec.replicate(spec.ndim)
+        self.allowed[node.name] = _indices(node, rep)
+        self.notes.add(f"{self.family}: {self.name(node)} {self._shape(node)} cannot take {spec}"
+                       f"{' (' + why + ')' if why else ''} on mesh {self.cg.mesh}: replicated instead")
+        return False
+
+    def batch_shard(self, node: CGNode, axes: Sequence[int]) -> None:
+        """Shard a user input's dim 0 over ``axes``; when that does not divide, over the largest
+        subset of ``axes`` that does (noted), else replicated (noted)."""
+        meta = self.cg.graph.tensor_meta(node.members[0])
+        if meta is None or isinstance(meta, tuple) or meta.ndim == 0 or not axes:
+            return
+        subsets = [s for k in range(len(axes), 0, -1) for s in combinations(axes, k)]
+        subsets.sort(key=lambda s: -_size(s, self.mesh_shape))
+        for subset in subsets:
+            idx = _indices(node, _spec(meta.ndim, 0, subset))
+            if idx:
+                self.allowed[node.name] = idx
+                if tuple(subset) != tuple(axes):
+                    self.notes.add(f"{self.family}: input {self.name(node)} {meta.shape}: batch "
+                                   f"{meta.shape[0]} does not divide over axes {tuple(axes)}; "
+                                   f"sharded over {subset} only")
+                return
+        self.require(node, _spec(meta.ndim), f"batch {meta.shape[0]} does not divide")
+
+    def restriction(self) -> Restriction:
+        return Restriction(self.allowed, self.notes.lines())
+
+    def _shape(self, node: CGNode) -> tuple[int, ...]:
+        meta = self.cg.graph.tensor_meta(node.members[0])
+        return tuple(meta.shape) if meta is not None and not isinstance(meta, tuple) else ()
+
+
+def _size(axes: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh_shape[a]
+    return n
+
+
+def _placeholders(cg: CostGraph, predicate: Callable[[str], bool]) -> list[CGNode]:
+    return [n for n in cg.nodes.values() if n.kind == "placeholder" and predicate(n.members[0])]
+
+
+def parameter_nodes(cg: CostGraph) -> list[CGNode]:
+    """CGNodes of the parameter placeholders (tied weights appear once)."""
+    return _placeholders(cg, cg.graph.is_param)
+
+
+def input_nodes(cg: CostGraph) -> list[CGNode]:
+    """CGNodes of the tensor user inputs."""
+    return _placeholders(cg, cg.graph.is_user_input)
+
+
+def _meta_ndim(cg: CostGraph, node: CGNode) -> int:
+    return cg.graph.tensor_meta(node.members[0]).ndim  # type: ignore[union-attr]
+
+
+# -- data parallel -----------------------------------------------------------------------------------
+
+def data_parallel(cg: CostGraph) -> Restriction:
+    """Parameters replicated, inputs batch-sharded over every mesh axis of size > 1."""
+    plan = _Plan(cg, "data_parallel")
+    for node in parameter_nodes(cg):
+        plan.require(node, _spec(_meta_ndim(cg, node)))
+    for node in input_nodes(cg):
+        plan.batch_shard(node, _axes(cg.mesh.shape))
+    return plan.restriction()
+
+
+# -- ZeRO-3 ------------------------------------------------------------------------------------------
+
+def zero3(cg: CostGraph) -> Restriction:
+    """Every parameter sharded over all devices (dim 0, else the largest dim that divides, else
+    replicated, noted); inputs batch-sharded over every mesh axis of size > 1."""
+    plan = _Plan(cg, "zero3")
+    axes = _axes(cg.mesh.shape)
+    for node in parameter_nodes(cg):
+        _zero3_param(plan, node, axes)
+    for node in input_nodes(cg):
+        plan.batch_shard(node, axes)
+    return plan.restriction()
+
+
+def _zero3_param(plan: _Plan, node: CGNode, axes: tuple[int, ...]) -> None:
+    meta = plan.cg.graph.tensor_meta(node.members[0])
+    if not axes:
+        plan.require(node, _spec(meta.ndim))
+        return
+    dims = [0] + sorted(range(1, meta.ndim), key=lambda d: -meta.shape[d])
+    for d in dims:
+        idx = _indices(node, _spec(meta.ndim, d, axes))
+        if idx:
+            plan.allowed[node.name] = idx
+            if d != 0:
+                plan.notes.add(f"zero3: {plan.name(node)} {meta.shape}: dim 0 does not divide over "
+                               f"{_size(axes, plan.mesh_shape)} devices; sharded on dim {d}")
+            return
+    plan.require(node, _spec(meta.ndim, 0, axes), "no dim divides")
+
+
+# -- Megatron ----------------------------------------------------------------------------------------
+
+_MATMULS = {aten.linear.default: (0, 1, 2), aten.addmm.default: (1, 2, 0), aten.mm.default: (0, 1, None)}
+"""op -> (activation arg, weight arg, bias arg) positions."""
+
+
+def _matmul_slot(user: fx.Node, p: fx.Node) -> str | None:
+    """'weight' / 'bias' when ``p`` is that argument of the matmul ``user``, else None."""
+    pos = _MATMULS.get(user.target)
+    if pos is None:
+        return None
+    args = user.args
+    if len(args) > pos[1] and args[pos[1]] is p:
+        return "weight"
+    if pos[2] is not None and len(args) > pos[2] and args[pos[2]] is p:
+        return "bias"
+    return None
+
+
+def _name_role(module_path: str) -> str | None:
+    """COLUMN / ROW from the known-name tables (longest matching suffix wins), else None."""
+    best: tuple[int, str] | None = None
+    for names, role in ((COLUMN_NAMES, COLUMN), (ROW_NAMES, ROW)):
+        for name in names:
+            if module_path == name or module_path.endswith("." + name):
+                if best is None or len(name) > best[0]:
+                    best = (len(name), role)
+    return None if best is None else best[1]
+
+
+def _activation(user: fx.Node) -> fx.Node | None:
+    arg = user.args[_MATMULS[user.target][0]]
+    return arg if isinstance(arg, fx.Node) else None
+
+
+def linear_roles(cg: CostGraph, use_names: bool = True) -> dict[str, str]:
+    """Matmul node name -> COLUMN / ROW for every matmul that reads a parameter weight (not an
+    embedding's). ``use_names=False`` applies the alternation rule to every matmul (the rule
+    for unknown names; exposed so tests can check it against the name table)."""
+    graph = cg.graph
+    embedding_weights = {p for p in graph.param_fqn if _is_embedding_weight(graph.node(p))}
+    by_block: dict[tuple[str, int] | None, list[fx.Node]] = {}
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node.target not in _MATMULS:
+            continue
+        w = node.args[_MATMULS[node.target][1]]
+        if isinstance(w, fx.Node) and graph.is_param(w) and w.name not in embedding_weights:
+            by_block.setdefault(block_of(graph, node), []).append(node)
+    roles: dict[str, str] = {}
+    for matmuls in by_block.values():
+        run, previous = -1, object()
+        for mm in matmuls:
+            act = _activation(mm)
+            if act is None or act is not previous:
+                run += 1
+            previous = act
+            named = _name_role(graph.module_path(mm)) if use_names else None
+            roles[mm.name] = named or (COLUMN if run % 2 == 0 else ROW)
+    return roles
+
+
+def _is_embedding_weight(p: fx.Node) -> bool:
+    return any(u.target is aten.embedding.default and u.args[0] is p for u in p.users)
+
+
+_POSITION_NAMES = re.compile(r"(^|\.)(wpe|position_embeddings|embed_positions|token_type_embeddings)$")
+
+
+def _is_token_embedding(graph, p: fx.Node) -> bool:
+    """An embedding weight looked up with indices computed from a user input (token ids), and
+    not named like a position/token-type table: Megatron makes it vocab-parallel. Position
+    tables (indexed by an ``arange``) stay replicated, as in Megatron-LM."""
+    fqn = graph.param_fqn.get(p.name, "")
+    if _POSITION_NAMES.search(fqn.rsplit(".", 1)[0]):
+        return False
+    lookups = [u for u in p.users if u.target is aten.embedding.default and u.args[0] is p]
+    return any(_reads_user_input(graph, u.args[1]) for u in lookups)
+
+
+def _reads_user_input(graph, node: object) -> bool:
+    """Whether ``node`` is, or is computed from, a tensor user input."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if graph.is_user_input(n):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _megatron_spec(graph, p: fx.Node, ndim: int, roles: dict[str, str], tp: int) -> tuple[ShardSpec, str]:
+    """The Megatron layout of parameter ``p`` and a short reason."""
+    if _is_embedding_weight(p):
+        if _is_token_embedding(graph, p):
+            return _spec(ndim, 0, (tp,)), "vocab-parallel embedding"
+        return _spec(ndim), "replicated"
+    for user in p.users:
+        slot = _matmul_slot(user, p)
+        if slot is None or user.name not in roles:
+            continue
+        role = roles[user.name]
+        # linear weights are [out, in]; addmm/mm (GPT-2 Conv1D) weights are [in, out]
+        out_dim, in_dim = (0, 1) if user.target is aten.linear.default else (1, 0)
+        if slot == "bias":
+            return (_spec(ndim, 0, (tp,)) if role == COLUMN else _spec(ndim)), f"{role}-parallel bias"
+        return _spec(ndim, out_dim if role == COLUMN else in_dim, (tp,)), f"{role}-parallel weight"
+    return _spec(ndim), "replicated"
+
+
+def megatron(cg: CostGraph, tp_axis: int = 1, use_names: bool = True) -> Restriction:
+    """Megatron-LM: tensor parallel over ``tp_axis``, data parallel over the other axis."""
+    if tp_axis not in (0, 1):
+        raise ValueError(f"tp_axis must be 0 or 1 (a mesh axis), got {tp_axis}")
+    plan = _Plan(cg, "megatron")
+    mesh_shape = cg.mesh.shape
+    if mesh_shape[tp_axis] == 1:
+        plan.notes.add(f"megatron: tp axis {tp_axis} has size 1 on mesh {cg.mesh}: plain data parallel")
+    roles = linear_roles(cg, use_names)
+    for node in parameter_nodes(cg):
+        p = cg.graph.node(node.members[0])
+        ndim = _meta_ndim(cg, node)
+        spec, why = _megatron_spec(cg.graph, p, ndim, roles, tp_axis) if mesh_shape[tp_axis] > 1 else (_spec(ndim), "")
+        plan.require(node, spec, why)
+    for node in input_nodes(cg):
+        plan.batch_shard(node, _axes(mesh_shape, exclude=(tp_axis,)))
+    return plan.restriction()
+
+
+# -- solving -----------------------------------------------------------------------------------------
+
+BASELINES: dict[str, Callable[..., Restriction]] = {
+    "data_parallel": data_parallel,
+    "megatron": megatron,
+    "zero3": zero3,
+}
+"""Baseline name -> the function building its restriction."""
+
+
+def restriction(cg: CostGraph, name: str, **kwargs) -> Restriction:
+    """The restriction of baseline ``name`` (keyword arguments go to its function)."""
+    try:
+        build = BASELINES[name]
+    except KeyError:
+        raise ValueError(f"unknown baseline {name!r}; baselines: {', '.join(BASELINES)}") from None
+    return build(cg, **kwargs)
+
+
+def _keep(options: SolverOptions) -> SolverOptions:
+    return dataclasses.replace(options, fixed_decision="keep")
+
+
+def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),
+                   **kwargs) -> BaselineResult:
+    """The best plan of baseline family ``name`` under ``options`` (memory decisions fixed to
+    ``keep``). Raises :class:`~autoshard.solver.ilp.InfeasibleBudgetError` when no plan of the
+    family fits the budget (use :func:`baseline_minimum_budget` for the smallest that does)."""
+    r = restriction(cg, name, **kwargs)
+    return BaselineResult(solve(cg, _keep(options), allowed=r.allowed), r.notes, r.allowed)
+
+
+def baseline_minimum_budget(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),
+                            **kwargs) -> float:
+    """The smallest per-device peak (bytes) any plan of baseline family ``name`` reaches."""
+    r = restriction(cg, name, **kwargs)
+    return minimum_budget(cg, _keep(options), r.allowed)[0]
