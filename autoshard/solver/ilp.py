@@ -130,7 +130,7 @@ class _Model:
             if g.n_strategies == 1:
                 self.x[g.key] = [1]
             else:
-                vs = [pulp.LpVariable(f"x{self._id()}_{s}", cat=pulp.LpBinary) for s in range(g.n_strategies)]
+                vs = [self.prob.add_variable(f"x{self._id()}_{s}", cat=pulp.LpBinary) for s in range(g.n_strategies)]
                 self.prob += pulp.lpSum(vs) == 1
                 self.x[g.key] = vs
         for node, indices in (allowed or {}).items():
@@ -150,7 +150,7 @@ class _Model:
         return self._n
 
     def var(self, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous, name: str = "v"):
-        return pulp.LpVariable(f"{name}{self._id()}", lowBound=low, upBound=up, cat=cat)
+        return self.prob.add_variable(f"{name}{self._id()}", low, up, cat=cat)
 
     def choice_expr(self, node: str, values: np.ndarray) -> pulp.LpAffineExpression:
         """sum_s values[s] * x[node, s] (a constant for fixed nodes)."""

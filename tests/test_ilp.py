@@ -1,0 +1,99 @@
+"""The joint ILP: exact objective, optimality against brute force, aliasing, memory decisions."""
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard import capture, enumerate_strategies
+from autoshard.models import build_model
+from autoshard.solver import build_cost_graph
+from autoshard.solver.ilp import InfeasibleBudgetError, SolverOptions, minimum_budget, predict, solve
+
+
+def _cost_graph(name, mesh, hardware="h100-nvlink", alias=True, **build):
+    model, args, kwargs = build_model(name, device="meta", **build)
+    table = enumerate_strategies(capture(model, args, kwargs), mesh_shape=mesh, hardware=hardware)
+    return build_cost_graph(table, alias_blocks=alias)
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16, bias=False)
+        self.fc2 = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).sum()
+
+
+def test_ilp_matches_brute_force_on_a_small_graph():
+    graph = capture(TwoLayer(), (torch.randn(8, 8),))
+    cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=(1, 2), hardware="cpu-gloo"))
+    names = list(cg.nodes)
+    sizes = [len(cg.nodes[n]) for n in names]
+    assert 1 < max(sizes) and len(list(itertools.product(*map(range, sizes)))) < 50_000
+    best = min(cg.evaluate(dict(zip(names, c))).total for c in itertools.product(*map(range, sizes)))
+    sol = solve(cg, SolverOptions(fixed_decision="keep"))
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best, rel=1e-6, abs=1e-12)
+    assert cg.evaluate(sol.choice).total == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_layers():
+    return _cost_graph("gpt2-tiny", (2, 2), num_layers=4, batch=8, seq=32)
+
+
+def test_objective_equals_the_cost_model(gpt2_small_layers):
+    cg = gpt2_small_layers
+    sol = solve(cg)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(sol.time.total, rel=1e-6)
+    assert all(d == "keep" for d in sol.decisions.values())    # no budget: nothing to recompute
+    assert sol.time.total == pytest.approx(cg.evaluate(sol.choice).total, rel=1e-9)
+
+
+def test_aliasing_is_within_one_percent_and_unaliased_is_optimal():
+    aliased = solve(_cost_graph("llama-tiny", (2, 2), num_layers=4, alias=True))
+    exact = solve(_cost_graph("llama-tiny", (2, 2), num_layers=4, alias=False))
+    assert exact.status == "optimal"
+    assert exact.objective <= aliased.objective * (1 + 1e-9)
+    assert aliased.objective <= exact.objective * 1.01
+
+
+def test_shrinking_budget_trades_time_for_memory(gpt2_small_layers):
+    cg = gpt2_small_layers
+    free = solve(cg)
+    need, _ = minimum_budget(cg)
+    assert need < free.memory.peak
+    previous_time = free.time.total
+    for frac in (0.5, 0.0):
+        budget = need + frac * (free.memory.peak - need)
+        sol = solve(cg, SolverOptions(memory_budget=budget))
+        assert sol.memory.peak <= budget * (1 + 1e-6)
+        assert sol.time.total >= previous_time * (1 - 1e-9)
+        assert Counter(sol.decisions.values())["keep"] < len(sol.decisions)
+        previous_time = sol.time.total
+        t, mem = predict(cg, sol.choice, sol.decisions, SolverOptions())
+        assert t.total == pytest.approx(sol.objective, rel=1e-6)
+
+
+def test_infeasible_budget_names_the_minimum(gpt2_small_layers):
+    need, _ = minimum_budget(gpt2_small_layers)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(gpt2_small_layers, SolverOptions(memory_budget=int(need * 0.9)))
+    from autoshard.units import format_bytes
+    assert f"smallest feasible budget is {format_bytes(need)}" in str(e.value)
+
+
+def test_restrictions_are_honoured(gpt2_small_layers):
+    cg = gpt2_small_layers
+    params = [n for n, node in cg.nodes.items() if node.kind == "placeholder" and cg.graph.is_param(node.members[0])]
+    allowed = {n: [i for i, s in enumerate(cg.nodes[n].strategies) if s.output_specs[0].is_replicated()]
+               for n in params}
+    sol = solve(cg, SolverOptions(fixed_decision="keep"), allowed=allowed)
+    for n in params:
+        assert cg.nodes[n].strategies[sol.choice[n]].output_specs[0].is_replicated()
+    assert sol.objective >= solve(cg).objective * (1 - 1e-9)
