@@ -10,9 +10,8 @@ from .mesh import MeshError, MeshSpec
 from .reshard import reshard_cost, reshard_plan
 from .specs import ShardSpec, SpecError
 from .strategy import AxisOption, CommAction, MemoryCost, Strategy
-from .plan import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
+from .plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from .solver.ilp import InfeasibleBudgetError
-# last: binds the name ``plan`` to the function (the module stays importable as autoshard.plan)
 from .api import BudgetError, plan
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from .capture import CapturedGraph, capture
 from .enumerate import enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
-from .plan import Plan
+from .plans import Plan
 from .solver.costgraph import build_cost_graph
 from .solver.ilp import SolverOptions, solve
 from .units import format_bytes, parse_bytes

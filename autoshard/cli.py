@@ -110,7 +110,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     """Print the explanation of a saved plan."""
-    from .plan import Plan
+    from .plans import Plan
 
     _print_plan(Plan.load(args.plan), full=args.full, plain=args.plain)
     return 0
@@ -198,7 +198,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .hardware import HardwareError
     from .mesh import MeshError
     from .models import ModelZooError
-    from .plan import PlanError
+    from .plans import PlanError
     from .solver.ilp import InfeasibleBudgetError
 
     return (BudgetError, CaptureError, HardwareError, InfeasibleBudgetError, MeshError, ModelZooError,

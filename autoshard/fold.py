@@ -14,7 +14,9 @@ Nothing is assumed silently. The shallow graph must be periodic (block ``n-1`` =
 with every layer index, node-name counter and module path shifted by one layer); the unfolding of
 the shallow graph to the second probe depth must equal that depth's real export exactly (nodes,
 names, args, metas, signature, state_dict, module call graph); and the full-depth model's parameters
-must be exactly the unfolded signature's. Anything else raises :class:`FoldError` and callers fall
+must be exactly the unfolded signature's, in shape, dtype and requires_grad. The per-layer step
+of ``meta['torch_fn']`` counters after the layers is read off the two probes (those count Python
+calls that may leave no node). Anything else raises :class:`FoldError` and callers fall
 back to a full capture (:func:`capture_preset` does so, with a warning).
 
 Fake tensors (``meta['val']``) of the synthesised layers are shared with the template layer of the
@@ -176,7 +178,6 @@ class _Layout:
     depth: int
     placeholders: list[fx.Node]
     layer_ph: dict[str, tuple[int, int]]       # placeholder -> (layer, position in its layer)
-    ph_per_layer: int
     body: list[fx.Node]                        # call_function / get_attr nodes, in order
     block_start: list[int]                     # index in body of each block's first node
     block_len: int
@@ -208,10 +209,9 @@ def _layout(ep: ExportedProgram, layers: _LayerList, depth: int) -> _Layout:
     other = [n for n in nodes if n.op not in ("placeholder", "call_function", "get_attr")]
     if len(other) != 1 or other[0].op != "output" or nodes[-1] is not other[0]:
         raise FoldError(f"unexpected node kinds {[n.op for n in other]}")
-    layer_ph, per_layer = _layer_placeholders(ep, layers, depth)
+    layer_ph = _layer_placeholders(ep, layers, depth)
     starts, length = _blocks(body, layers, depth)
-    out = _Layout(ep, layers, depth, placeholders, layer_ph, per_layer, body, starts, length,
-                  nodes[-1])
+    out = _Layout(ep, layers, depth, placeholders, layer_ph, body, starts, length, nodes[-1])
     for k in range(depth):
         for p, node in enumerate(out.block(k)):
             out.in_block[node.name] = (k, p)
@@ -220,7 +220,7 @@ def _layout(ep: ExportedProgram, layers: _LayerList, depth: int) -> _Layout:
 
 
 def _layer_placeholders(ep: ExportedProgram, layers: _LayerList,
-                        depth: int) -> tuple[dict[str, tuple[int, int]], int]:
+                        depth: int) -> dict[str, tuple[int, int]]:
     """Which placeholders belong to which layer; every layer must have the same inputs, in the
     same order (FQNs equal up to the layer index)."""
     per_layer: list[list[InputSpec]] = [[] for _ in range(depth)]
@@ -235,8 +235,7 @@ def _layer_placeholders(ep: ExportedProgram, layers: _LayerList,
         now = [(s.kind, layers.relabel(s.target, k, 1), s.persistent) for s in per_layer[k]]
         if now != first:
             raise FoldError(f"layers 0 and {k} have different parameters/buffers")
-    return ({s.arg.name: (k, i) for k, specs in enumerate(per_layer) for i, s in enumerate(specs)},
-            len(first))
+    return {s.arg.name: (k, i) for k, specs in enumerate(per_layer) for i, s in enumerate(specs)}
 
 
 def _blocks(body: list[fx.Node], layers: _LayerList, depth: int) -> tuple[list[int], int]:
@@ -342,13 +341,18 @@ def _check_meta_periodic(out: _Layout, now: fx.Node, before: fx.Node, where: str
         if key == "val":
             same = _val_key(value) == _val_key(other)
         elif key == "nn_module_stack":
-            same = out.layers.relabel_stack(other, n - 2, n - 1) == value
+            same = _items(out.layers.relabel_stack(other, n - 2, n - 1)) == _items(value)
         elif key == "torch_fn":
             same = value[1] == other[1]
         else:
             same = value == other
         if not same:
             raise FoldError(f"{where}: meta[{key!r}] differs between layers")
+
+
+def _items(value: Any) -> Any:
+    """Dicts compared in order (an ``nn_module_stack`` lists the outermost module first)."""
+    return list(value.items()) if isinstance(value, dict) else value
 
 
 def _val_key(val: Any) -> Any:
@@ -359,6 +363,31 @@ def _val_key(val: Any) -> Any:
     if isinstance(val, (list, tuple)):
         return tuple(_val_key(v) for v in val)
     return val if isinstance(val, (int, float, bool, str, type(None))) else type(val).__name__
+
+
+def _learn_suffix_fn_steps(src: _Layout, deep: ExportedProgram, depth: int) -> None:
+    """Per-layer steps of the ``torch_fn`` counters of the suffix, from the two probes.
+
+    ``meta['torch_fn']`` names count Python-level calls, including calls that leave no node in the
+    graph (e.g. a ``.contiguous()`` elided on real tensors), so the blocks' nodes do not tell how
+    far a suffix node's counter moves per layer; the two probe depths do. Steps the blocks also
+    show must agree."""
+    suffix = src.suffix
+    deep_body = [n for n in deep.graph.nodes if n.op in ("call_function", "get_attr")]
+    if len(deep_body) < len(suffix):
+        raise FoldError("the deeper probe has a shorter graph than the shallow one")
+    layers = depth - src.depth
+    for shallow_node, deep_node in zip(suffix, deep_body[len(deep_body) - len(suffix):]):
+        fn_a, fn_b = shallow_node.meta.get("torch_fn"), deep_node.meta.get("torch_fn")
+        if fn_a is None or fn_b is None:
+            continue
+        (base, num), (base_b, num_b) = _split_name(fn_a[0]), _split_name(fn_b[0])
+        moved = (num_b or 0) - (num or 0)
+        if base != base_b or moved % layers:
+            raise FoldError(f"torch_fn {fn_a[0]!r} of {shallow_node.name!r} does not move "
+                            f"periodically with depth ({fn_b[0]!r} at {depth} layers)")
+        if src.fn_deltas.setdefault(base, moved // layers) != moved // layers:
+            raise FoldError(f"torch_fn counters of {base!r} do not advance uniformly per layer")
 
 
 # -- unfolding ---------------------------------------------------------------------------------------
@@ -577,9 +606,10 @@ def _lifted_tensors(src: ExportedProgram, signature: ExportGraphSignature, model
             if layers.layer_of(spec.target) is not None or spec.target not in src.constants:
                 raise FoldError(f"lifted constant {spec.target!r} cannot be folded")
             constants[spec.target] = src.constants[spec.target]
-    extra = sorted(set(params) - set(state_dict))
+    lifted = set(state_dict) | set(constants)
+    extra = sorted((set(params) | set(buffers)) - lifted)
     if extra:
-        raise FoldError(f"the full model has parameters the folded graph lacks: {extra[:5]}")
+        raise FoldError(f"the full model has tensors the folded graph lacks: {extra[:5]}")
     return state_dict, constants
 
 
@@ -653,7 +683,7 @@ def _node_difference(x: fx.Node, y: fx.Node) -> str:
         return f"meta keys {sorted(x.meta)} vs {sorted(y.meta)}"
     for key in x.meta:
         same = (_val_key(x.meta[key]) == _val_key(y.meta[key]) if key == "val"
-                else x.meta[key] == y.meta[key])
+                else _items(x.meta[key]) == _items(y.meta[key]))
         if not same:
             return f"meta[{key!r}] {x.meta[key]!r} vs {y.meta[key]!r}"
     return ""
@@ -736,6 +766,7 @@ def capture_folded(build: Builder, num_layers: int, *, name: str | None = None,
     exported = time.perf_counter()
     layers = _find_layer_list(small.exported, check.exported, shallow)
     src = _layout(small.exported, layers, shallow)
+    _learn_suffix_fn_steps(src, check.exported, deep)
     _verify(src, deep, deep_model, check.exported)
     verified = time.perf_counter()
     model, args, kwargs = build(num_layers)

@@ -16,7 +16,7 @@ from autoshard.capture import CapturedGraph
 from autoshard.hardware import HardwareError, available_profiles, load_hardware
 from autoshard.mesh import MeshError
 from autoshard.models import build_model
-from autoshard.plan import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
+from autoshard.plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from autoshard.reshard import reshard_plan
 from autoshard.solver import CostGraph, build_cost_graph
 from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, predict
@@ -327,6 +327,13 @@ def test_explain_groups_identical_layers_unless_full() -> None:
     assert not any("same as" in line for line in full)
 
 
+def test_explain_does_not_group_layers_that_differ() -> None:
+    plan, _ = random_plan(cost_graph("gpt2-tiny", (2, 2)), seed=4)     # every layer chose differently
+    grouped = node_table(plan.explain(plain=True))
+    assert [line.split()[0] for line in grouped] == list(plan.nodes)
+    assert not any("same as" in line for line in grouped)
+
+
 def node_table(text: str) -> list[str]:
     """The rows of the plain per-node table (no title, header or rule)."""
     lines = text.splitlines()
@@ -361,8 +368,11 @@ def test_cli_plan_and_explain(tmp_path, capsys) -> None:
     assert cli.main(["explain", str(out), "--plain"]) == 0
     text = capsys.readouterr().out
     assert text == plan.explain(plain=True)
-    assert cli.main(["explain", str(out), "--full"]) == 0
-    assert "transformer.h.1" in capsys.readouterr().out
+    assert cli.main(["explain", str(out), "--full", "--plain"]) == 0
+    assert capsys.readouterr().out == plan.explain(plain=True, full=True)
+    assert cli.main(["explain", str(out)]) == 0          # rich tables
+    text = capsys.readouterr().out
+    assert "per-node decisions" in text and "┃" in text
 
 
 @pytest.mark.parametrize("argv,needle", [

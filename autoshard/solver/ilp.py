@@ -228,18 +228,20 @@ def _marginals(m: _Model, node: str, index: np.ndarray, n: int) -> list[pulp.LpA
 
 
 @dataclass
-class _Segment:
+class MemorySegment:
     name: str
     nodes: list[str]
     saved: np.ndarray | None = None
     ckpt_edges: list[CGEdge] = field(default_factory=list)
 
 
-def _segments(cg: CostGraph) -> list[_Segment]:
-    by_seg: dict[str, _Segment] = {}
+def memory_segments(cg: CostGraph) -> list[MemorySegment]:
+    """The segments that get a memory decision, with the edges whose tensors a checkpoint stores
+    (inputs from outside the segment that are not parameters and not shared by several segments)."""
+    by_seg: dict[str, MemorySegment] = {}
     for node in cg.nodes.values():
         if node.segment is not None and node.kind == "call_function":
-            by_seg.setdefault(node.segment, _Segment(node.segment, [])).nodes.append(node.name)
+            by_seg.setdefault(node.segment, MemorySegment(node.segment, [])).nodes.append(node.name)
     consumers_by_src: dict[str, set[str]] = {}
     for e in cg.edges:
         seg = cg.nodes[e.dst].segment
@@ -270,7 +272,8 @@ def _spec_bytes(e: CGEdge, mesh_shape) -> np.ndarray:
     return np.array([s.local_numel(e.tensor.shape, mesh_shape) * item for s in e.src_specs], dtype=float)
 
 
-def _replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
+def replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
+    """Mesh axes (of size > 1) over which a tensor in ``spec`` has full copies."""
     return tuple(a for a in range(len(mesh_shape)) if a not in spec.used_axes() and mesh_shape[a] > 1)
 
 
@@ -292,7 +295,7 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
             static.append(g.count * m.choice_expr(node.name, (c.params + c.grads + opt_state) / M))
         if node.segment is None and np.any(c.saved):
             nonseg_act.append(g.count * m.choice_expr(node.name, c.saved / M))
-    segments = _segments(cg)
+    segments = memory_segments(cg)
     allowed = [opts.fixed_decision] if opts.fixed_decision else [d for d in DECISIONS if d in opts.decisions]
     working = m.var(name="W")
     seg_act, handles = [], {"segments": {}, "working": working}
@@ -347,7 +350,7 @@ class _SegmentTerms:
     gather_up: float
 
 
-def _segment_terms(m: _Model, seg: _Segment) -> _SegmentTerms:
+def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
     """Saved activations (GiB), forward/backward time (us), checkpoint size in full and
     partitioned form (GiB) and the all-gather time of a partitioned checkpoint (us)."""
     cg, mesh_shape, hw = m.cg, m.cg.mesh.shape, m.cg.hardware
@@ -356,7 +359,7 @@ def _segment_terms(m: _Model, seg: _Segment) -> _SegmentTerms:
     ck_up = ck_part_up = gather_up = 0.0
     for e in seg.ckpt_edges:
         full_bytes = _spec_bytes(e, mesh_shape)
-        axes = [_replicated_axes(s, mesh_shape) for s in e.src_specs]
+        axes = [replicated_axes(s, mesh_shape) for s in e.src_specs]
         full = full_bytes / M
         part = full / np.array([math.prod(mesh_shape[a] for a in ax) for ax in axes], dtype=float)
         gather = T * np.array([collective_cost("all_gather", b, ax, mesh_shape, hw) for b, ax in zip(full_bytes, axes)])
@@ -383,7 +386,7 @@ def _segment_terms(m: _Model, seg: _Segment) -> _SegmentTerms:
     )
 
 
-def _segment_class(m: _Model, seg: _Segment) -> tuple:
+def _segment_class(m: _Model, seg: MemorySegment) -> tuple:
     """Segments with equal keys have identical costs for every assignment of the shared variables."""
     nodes = tuple(m.group_of[n] for n in seg.nodes)
     ckpt = tuple((m.group_of[e.src], m.cg.nodes[e.src].members.index(e.src_member), e.src_output,
@@ -391,7 +394,7 @@ def _segment_class(m: _Model, seg: _Segment) -> tuple:
     return nodes, ckpt
 
 
-def _order_identical_segments(m: _Model, seg: _Segment, d: dict, allowed: list[str], classes: dict) -> None:
+def _order_identical_segments(m: _Model, seg: MemorySegment, d: dict, allowed: list[str], classes: dict) -> None:
     """Symmetry breaking: identical segments take their decisions in a fixed order (rank is
     non-decreasing along the block sequence). Any permutation of decisions among identical
     segments has the same objective and memory, so this removes no objective value."""
@@ -520,7 +523,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
-    for seg in _segments(cg):
+    for seg in memory_segments(cg):
         dec = decisions.get(seg.name, "keep")
         A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
         F = sum(_forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
@@ -529,7 +532,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         for e in seg.ckpt_edges:
             spec = e.src_specs[e.src_index[choice[e.src]]]
             nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
-            axes = _replicated_axes(spec, mesh_shape)
+            axes = replicated_axes(spec, mesh_shape)
             full += nbytes
             part += nbytes / math.prod(mesh_shape[x] for x in axes)
             gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
 from .hardware import HardwareError, HardwareProfile
-from .reshard import ReshardStep, reshard_plan
+from .reshard import SPLIT, TO_PARTIAL, ReshardStep, reshard_plan
 from .specs import ShardSpec, SpecError
 from .strategy import BWD, FWD, Strategy
 from .units import format_bytes
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from .capture import CapturedGraph
-    from .solver.costgraph import CGEdge, CostGraph
+    from .solver.costgraph import CostGraph
     from .solver.ilp import Solution, SolverOptions
 
 __all__ = [
@@ -134,8 +134,8 @@ class StepEntry:
 
     @property
     def is_collective(self) -> bool:
-        return ReshardStep(self.kind, self.axis, tuple(self.dims), self.nbytes, self.cost,
-                           ShardSpec.parse(self.after)).collective is not None
+        """False for local moves (split, to_partial), which communicate nothing."""
+        return self.kind not in (SPLIT, TO_PARTIAL)
 
 
 @dataclass
@@ -177,6 +177,9 @@ class CommEntry:
 
 @dataclass
 class SolverReport:
+    """How the ILP went: status ('optimal', or 'feasible' when stopped by the time limit or
+    gap), objective (modeled seconds per step), seconds to build and solve, and its size."""
+
     status: str
     objective: float
     build_seconds: float
@@ -194,6 +197,17 @@ class Plan:
 
     Build it with :func:`autoshard.plan` or :meth:`Plan.from_solution`; store it with
     :meth:`save` and :meth:`load`; read it with :meth:`explain` and :meth:`strategy_of`.
+
+    Fields: ``fingerprint`` (of the captured graph, checked by :meth:`check`), ``mesh_shape``,
+    ``hardware`` (the full profile), ``memory_budget`` (bytes per device, None: unconstrained),
+    ``solver_options``; ``nodes`` (graph node name -> :class:`NodePlan`, graph order);
+    ``segments`` (repeated-block instance -> keep / recompute / offload / partitioned);
+    ``reshards`` (every non-identity resharding, :class:`ReshardEntry`); ``memory`` (predicted
+    bytes per device: params, grads, optimizer, activations, working_set, peak); ``time``
+    (modeled seconds per step: compute, comm, reshard, recompute, offload, total); ``comm``
+    (predicted bytes per device per step by collective kind, mesh axes and phase ``fwd`` /
+    ``bwd`` / ``recompute``); ``solver``; ``timings`` (seconds per planning stage);
+    ``fallbacks`` (ops replicated without a handler); ``created`` (UTC, ISO 8601).
     """
 
     format_version: int
@@ -484,16 +498,16 @@ def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str,
     parted = {seg for seg, d in solution.decisions.items() if d == "partitioned"}
     if not parted:
         return []
-    from .solver.ilp import _replicated_axes, _segments
+    from .solver.ilp import memory_segments, replicated_axes
 
     mesh_shape = cg.mesh.shape
     out = []
-    for seg in _segments(cg):
+    for seg in memory_segments(cg):
         if seg.name not in parted:
             continue
         for e in seg.ckpt_edges:
             spec = e.src_specs[e.src_index[solution.choice[e.src]]]
-            axes = list(_replicated_axes(spec, mesh_shape))
+            axes = list(replicated_axes(spec, mesh_shape))
             if axes:
                 out.append((seg.name, axes, spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize))
     return out
@@ -744,8 +758,8 @@ def _segment_signature(plan: Plan, seg: str, names: list[str]) -> tuple:
 
 
 def _collapsed_runs(plan: Plan) -> dict[str, tuple[str, str, int]]:
-    """Representative segment -> (label of the segments it stands for, representative, nodes per
-    segment), for runs of consecutive identical segments; hidden segments map to ''."""
+    """For runs of consecutive identical segments (``model.layers.0-31``): the first segment ->
+    (label of the others, itself, nodes per segment), each other segment -> ('', first, 0)."""
     members: dict[str, list[str]] = defaultdict(list)
     for n in plan.nodes.values():
         if n.segment is not None:
@@ -757,21 +771,27 @@ def _collapsed_runs(plan: Plan) -> dict[str, tuple[str, str, int]]:
             by_prefix[parts[0]].append(parts[1])
     out: dict[str, tuple[str, str, int]] = {}
     for prefix, indices in by_prefix.items():
-        name = (lambda i: f"{prefix}.{i}" if prefix else str(i))
+        def name(i: "int | str", prefix: str = prefix) -> str:
+            return f"{prefix}.{i}" if prefix else str(i)
+
         sigs = {i: _segment_signature(plan, name(i), members[name(i)]) for i in indices}
-        run: list[int] = []
-        for i in sorted(indices) + [None]:  # type: ignore[list-item]
-            if run and i is not None and i == run[-1] + 1 and sigs[i] == sigs[run[0]]:
-                run.append(i)
-                continue
-            if len(run) > 1:
-                rep = name(run[0])
-                label = name(f"{run[1]}-{run[-1]}" if len(run) > 2 else run[1])
-                out[rep] = (label, rep, len(members[rep]))
-                for j in run[1:]:
-                    out[name(j)] = ("", rep, 0)
-            run = [i] if i is not None else []
+        for run in _identical_runs(sorted(indices), sigs):
+            first = name(run[0])
+            rest = name(f"{run[1]}-{run[-1]}" if len(run) > 2 else run[1])
+            out[first] = (rest, first, len(members[first]))
+            out.update({name(j): ("", first, 0) for j in run[1:]})
     return out
+
+
+def _identical_runs(indices: list[int], sigs: dict[int, tuple]) -> list[list[int]]:
+    """Maximal runs (length >= 2) of consecutive indices with equal signatures."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1 and sigs[i] == sigs[runs[-1][0]]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [r for r in runs if len(r) > 1]
 
 
 def _rows(plan: Plan, full: bool) -> list[_Row]:

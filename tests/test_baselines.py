@@ -1,0 +1,203 @@
+"""Baselines as restrictions: data parallel, Megatron TP+DP and ZeRO-3 on tiny models (2x2 mesh)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from autoshard.capture import capture
+from autoshard.enumerate import enumerate_strategies
+from autoshard.models import build_model
+from autoshard.solver import CostGraph, build_cost_graph
+from autoshard.solver.baselines import (BASELINES, COLUMN, ROW, data_parallel, input_nodes, linear_roles,
+                                        megatron, parameter_nodes, restriction, solve_baseline, zero3)
+from autoshard.solver.ilp import SolverOptions, solve
+from autoshard.specs import ShardSpec
+
+pytest.importorskip("transformers")
+
+MESH = (2, 2)
+LLMS = ["gpt2-tiny", "llama-tiny"]
+
+
+@functools.lru_cache(maxsize=None)
+def graph(name: str, mesh: tuple[int, int] = MESH, batch: int = 8, **overrides) -> CostGraph:
+    model, args, kwargs = build_model(name, batch=batch, seq=16, **overrides)
+    table = enumerate_strategies(capture(model, args, kwargs), mesh_shape=mesh, hardware="h100-nvlink")
+    return build_cost_graph(table)
+
+
+@functools.lru_cache(maxsize=None)
+def unrestricted(name: str):
+    return solve(graph(name), SolverOptions())
+
+
+@functools.lru_cache(maxsize=None)
+def baseline(name: str, family: str):
+    return solve_baseline(graph(name), family, SolverOptions())
+
+
+def chosen_specs(cg: CostGraph, sol, nodes) -> dict[str, str]:
+    """Placeholder (FQN or input name) -> compact spec it stores under ``sol``."""
+    g = cg.graph
+    return {g.param_fqn.get(n.members[0], n.members[0]): str(n.strategies[sol.choice[n.name]].output_specs[0])
+            for n in nodes}
+
+
+def by_suffix(specs: dict[str, str], suffix: str) -> set[str]:
+    found = {s for fqn, s in specs.items() if fqn.endswith(suffix)}
+    assert found, f"no parameter ends with {suffix!r}"
+    return found
+
+
+# -- data parallel ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", LLMS)
+def test_data_parallel_replicates_params_and_shards_batch(name):
+    cg = graph(name)
+    sol = baseline(name, "data_parallel").solution
+    params = chosen_specs(cg, sol, parameter_nodes(cg))
+    assert params and all(ShardSpec.parse(s).is_replicated() for s in params.values()), params
+    inputs = chosen_specs(cg, sol, input_nodes(cg))
+    assert set(inputs) == {"input_ids", "attention_mask", "labels"}
+    assert set(inputs.values()) == {"S01R"}
+
+
+def test_data_parallel_on_a_1d_mesh_shards_over_the_non_trivial_axis():
+    cg = graph("gpt2-tiny", (1, 4))
+    r = data_parallel(cg)
+    for node in input_nodes(cg):
+        assert {str(node.strategies[c].output_specs[0]) for c in r.allowed[node.name]} == {"S1R"}
+    assert r.notes == []
+
+
+def test_batch_that_does_not_divide_falls_back_to_fewer_axes_with_a_note():
+    cg = graph("gpt2-tiny", batch=6)
+    r = data_parallel(cg)
+    node = input_nodes(cg)[0]
+    specs = {str(node.strategies[c].output_specs[0]) for c in r.allowed[node.name]}
+    assert specs in ({"S0R"}, {"S1R"})
+    assert any("does not divide" in n for n in r.notes), r.notes
+
+
+# -- Megatron ---------------------------------------------------------------------------------------
+
+def test_megatron_gpt2_conv1d_layouts():
+    cg = graph("gpt2-tiny")
+    specs = chosen_specs(cg, baseline("gpt2-tiny", "megatron").solution, parameter_nodes(cg))
+    # Conv1D weights are [in, out]: column shards dim 1, row shards dim 0 (tp axis 1)
+    assert by_suffix(specs, "attn.c_attn.weight") == {"RS1"}
+    assert by_suffix(specs, "attn.c_attn.bias") == {"S1"}
+    assert by_suffix(specs, "attn.c_proj.weight") == {"S1R"}
+    assert by_suffix(specs, "attn.c_proj.bias") == {"R"}
+    assert by_suffix(specs, "mlp.c_fc.weight") == {"RS1"}
+    assert by_suffix(specs, "mlp.c_proj.weight") == {"S1R"}
+    assert specs["transformer.wte.weight"] == "S1R"       # vocab-parallel, tied with the LM head
+    assert specs["transformer.wpe.weight"] == "RR"        # position table: replicated
+    assert by_suffix(specs, "ln_1.weight") == {"R"}
+    inputs = chosen_specs(cg, baseline("gpt2-tiny", "megatron").solution, input_nodes(cg))
+    assert set(inputs.values()) == {"S0R"}                # batch over the data-parallel axis 0
+
+
+def test_megatron_llama_linear_layouts():
+    cg = graph("llama-tiny")
+    specs = chosen_specs(cg, baseline("llama-tiny", "megatron").solution, parameter_nodes(cg))
+    # nn.Linear weights are [out, in]: column shards dim 0, row shards dim 1
+    for col in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"):
+        assert by_suffix(specs, col) == {"S1R"}, col
+    for row in ("o_proj.weight", "down_proj.weight"):
+        assert by_suffix(specs, row) == {"RS1"}, row
+    assert specs["model.embed_tokens.weight"] == "S1R"
+    assert specs["lm_head.weight"] == "S1R"
+    assert by_suffix(specs, "layernorm.weight") == {"R"}
+    assert specs["model.norm.weight"] == "R"
+
+
+def test_megatron_on_axis_0():
+    cg = graph("llama-tiny")
+    r = megatron(cg, tp_axis=0)
+    q = next(n for n in parameter_nodes(cg) if cg.graph.param_fqn[n.members[0]].endswith("0.self_attn.q_proj.weight"))
+    assert {str(q.strategies[c].output_specs[0]) for c in r.allowed[q.name]} == {"S0R"}
+    for node in input_nodes(cg):
+        assert {str(node.strategies[c].output_specs[0]) for c in r.allowed[node.name]} == {"S1R"}
+    with pytest.raises(ValueError, match="tp_axis"):
+        megatron(cg, tp_axis=2)
+
+
+@pytest.mark.parametrize("name", LLMS + ["bert-tiny"])
+def test_alternation_rule_reproduces_the_name_table(name):
+    cg = graph(name)
+    named, alternated = linear_roles(cg), linear_roles(cg, use_names=False)
+    assert named == alternated
+    assert set(named.values()) == {COLUMN, ROW}
+
+
+def test_non_divisible_vocab_falls_back_to_replicated_with_a_note():
+    cg = graph("gpt2-tiny", vocab_size=127)
+    r = megatron(cg)
+    wte = next(n for n in parameter_nodes(cg) if cg.graph.param_fqn[n.members[0]] == "transformer.wte.weight")
+    assert {str(wte.strategies[c].output_specs[0]) for c in r.allowed[wte.name]} == {"RR"}
+    assert any("transformer.wte.weight" in n and "replicated instead" in n for n in r.notes), r.notes
+    z = zero3(cg)
+    assert {str(wte.strategies[c].output_specs[0]) for c in z.allowed[wte.name]} == {"RS01"}
+    assert any("sharded on dim 1" in n for n in z.notes), z.notes
+
+
+# -- ZeRO-3 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", LLMS)
+def test_zero3_shards_every_parameter_over_all_devices(name):
+    cg = graph(name)
+    sol = baseline(name, "zero3").solution
+    params = chosen_specs(cg, sol, parameter_nodes(cg))
+    for fqn, s in params.items():
+        assert ShardSpec.parse(s).dims[0] == (0, 1), (fqn, s)
+    assert set(chosen_specs(cg, sol, input_nodes(cg)).values()) == {"S01R"}
+    assert baseline(name, "zero3").notes == []
+
+
+# -- all baselines ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(BASELINES))
+@pytest.mark.parametrize("name", LLMS)
+def test_baseline_is_no_better_than_the_unrestricted_plan(name, family):
+    res = baseline(name, family)
+    assert res.solution.status == "optimal"
+    assert set(res.solution.decisions.values()) <= {"keep"}
+    assert res.solution.objective >= unrestricted(name).objective * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("family", list(BASELINES))
+def test_baseline_no_better_under_a_budget(family):
+    cg = graph("llama-tiny")
+    budget = int(baseline("llama-tiny", family).solution.memory.peak * 1.001)
+    opts = SolverOptions(memory_budget=budget)
+    res = solve_baseline(cg, family, opts)
+    assert res.solution.memory.peak <= budget
+    assert res.solution.objective >= solve(cg, opts).objective * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("family", list(BASELINES))
+@pytest.mark.parametrize("name", LLMS)
+def test_baseline_predictions_match_evaluate(name, family):
+    cg = graph(name)
+    sol = baseline(name, family).solution
+    ref = cg.evaluate(sol.choice)
+    assert sol.time.total == pytest.approx(ref.total, rel=1e-9)
+    assert sol.time.recompute == 0 and sol.time.offload == 0
+    assert sol.objective == pytest.approx(ref.total, rel=1e-6)
+    assert sol.memory.params == ref.params and sol.memory.grads == ref.grads
+    assert sol.memory.activations == ref.saved
+
+
+@pytest.mark.parametrize("family", list(BASELINES))
+def test_solution_respects_the_restriction(family):
+    cg = graph("llama-tiny")
+    res = baseline("llama-tiny", family)
+    for node, allowed in res.allowed.items():
+        assert res.solution.choice[node] in allowed, node
+
+
+def test_unknown_baseline_is_an_error():
+    with pytest.raises(ValueError, match="unknown baseline"):
+        restriction(graph("gpt2-tiny"), "pipeline")
