@@ -35,23 +35,19 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace):
-    from .models import build_model
+def _graph(args: argparse.Namespace):
+    """Capture the model named on the command line on meta tensors (repeated layers folded)."""
+    from .fold import capture_preset
 
-    overrides = {}
-    if getattr(args, "layers", None):
-        overrides["num_layers"] = args.layers
-    return build_model(args.model, device="meta", batch=args.batch, seq=args.seq, **overrides)
+    with Console(stderr=True).status(f"capturing {escape(args.model)} on meta tensors..."):
+        return capture_preset(args.model, device="meta", batch=args.batch, seq=args.seq,
+                              num_layers=getattr(args, "layers", None))
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from .capture import capture
-
-    with console.status(f"capturing {args.model} on meta tensors..."):
-        t0 = time.perf_counter()
-        model, margs, mkwargs = _build(args)
-        graph = capture(model, margs, mkwargs, name=args.model)
-        seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = _graph(args)
+    seconds = time.perf_counter() - t0
     console.print(f"captured {args.model}: {len(list(graph.graph.nodes))} nodes in {seconds:.2f} s, "
                   f"fingerprint {graph.fingerprint()[:16]}")
     table = Table("op", "count")
@@ -62,12 +58,9 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _enumerate(args: argparse.Namespace) -> int:
-    from .capture import capture
     from .enumerate import enumerate_strategies
 
-    with console.status(f"capturing {args.model} on meta tensors..."):
-        model, margs, mkwargs = _build(args)
-        graph = capture(model, margs, mkwargs, name=args.model)
+    graph = _graph(args)
     with console.status(f"enumerating strategies on mesh {args.mesh}..."):
         table = enumerate_strategies(graph, mesh_shape=args.mesh, hardware=args.hardware, fallback=args.fallback)
     console.print(f"{len(table)} nodes, {table.total_strategies()} strategies, {table.seconds:.2f} s")
@@ -93,12 +86,16 @@ def _plan(args: argparse.Namespace) -> int:
     """Plan a model (with progress on stderr), print the explanation, optionally save the plan."""
     from .api import plan
 
-    with Console(stderr=True).status(f"building {escape(args.model)}..."):
-        model, margs, mkwargs = _build(args)
-    result = plan(model, margs, mkwargs, mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
+    t0 = time.perf_counter()
+    graph = _graph(args)
+    capture_s = time.perf_counter() - t0
+    Console(stderr=True).print(f"captured {escape(args.model)} ({len(graph.graph.nodes)} nodes) in {capture_s:.2f} s")
+    result = plan(graph, mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
                   optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
                   merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
-                  time_limit=args.time_limit, gap_rel=args.gap, progress=True, name=args.model)
+                  time_limit=args.time_limit, gap_rel=args.gap, progress=True, name=args.model,
+                  check_batch=not args.allow_indivisible_batch)
+    result.timings["capture_s"] = capture_s      # captured above (folded), before plan() ran
     _print_plan(result, full=args.full, plain=args.plain)
     if args.out:
         result.save(args.out)
@@ -175,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
     pl.add_argument("--fallback", choices=["error", "replicate"], default="error")
     explain_args(pl)
+    pl.add_argument("--allow-indivisible-batch", action="store_true",
+                    help="plan even if the mesh size does not divide the batch (e.g. pure tensor parallelism)")
     pl.set_defaults(fn=_plan)
 
     ex = sub.add_parser("explain", help="explain a saved plan: summary and per-node decisions")

@@ -55,7 +55,7 @@ class FoldError(ValueError):
     reproduce export exactly); capture it in full instead."""
 
 
-# -- names -----------------------------------------------------------------------------------------
+# -- names ----------------------------------------------------------------------------------------
 
 
 def _split_name(name: str) -> tuple[str, int | None]:
@@ -92,7 +92,7 @@ def _name_deltas(template: Sequence[str], previous: Sequence[str], what: str) ->
     return deltas
 
 
-# -- the repeated module list ----------------------------------------------------------------------
+# -- the repeated module list ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def _fqns(ep: ExportedProgram) -> set[str]:
     return names
 
 
-# -- the periodic layout of one real export --------------------------------------------------------
+# -- the periodic layout of one real export -------------------------------------------------------
 
 
 @dataclass
@@ -264,7 +264,7 @@ def _module_path(node: fx.Node) -> str | None:
     return next(reversed(stack.values()))[0] if stack else None
 
 
-# -- periodicity of the shallow export -------------------------------------------------------------
+# -- periodicity of the shallow export ------------------------------------------------------------
 
 
 def _check_periodic(out: _Layout) -> None:
@@ -390,7 +390,7 @@ def _learn_suffix_fn_steps(src: _Layout, deep: ExportedProgram, depth: int) -> N
             raise FoldError(f"torch_fn counters of {base!r} do not advance uniformly per layer")
 
 
-# -- unfolding ---------------------------------------------------------------------------------------
+# -- unfolding ------------------------------------------------------------------------------------
 
 
 class _Unfolder:
@@ -639,7 +639,7 @@ def _lookup(table: Mapping[str, torch.Tensor], fqn: str, what: str) -> torch.Ten
                         "expects") from None
 
 
-# -- comparing two exported programs -------------------------------------------------------------
+# -- comparing two exported programs --------------------------------------------------------------
 
 
 def exported_differences(a: ExportedProgram, b: ExportedProgram, limit: int = 10) -> list[str]:
@@ -738,7 +738,7 @@ def _first_mismatch(a: Sequence[Any], b: Sequence[Any]) -> str:
     return f"lengths {len(a)} vs {len(b)}"
 
 
-# -- public entry points ---------------------------------------------------------------------------
+# -- public entry points --------------------------------------------------------------------------
 
 
 def capture_folded(build: Builder, num_layers: int, *, name: str | None = None,

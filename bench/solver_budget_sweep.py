@@ -57,27 +57,36 @@ def record(cg: CostGraph, budget: float | None, sol: Solution, ref: Solution) ->
             "changed_nodes": changed(cg, sol, ref), "status": sol.status, "solve_s": sol.solve_seconds}
 
 
-def sweep(cg: CostGraph, points: int, options: SolverOptions) -> tuple[list[dict], float]:
+def sweep(cg: CostGraph, points: int, options: SolverOptions, refine: int = 3) -> tuple[list[dict], float]:
+    """Solve ``points`` budgets evenly spaced from the unconstrained peak to the minimum, plus
+    ``refine`` more inside every interval where the step time jumps by over 50%."""
     free = solve(cg, options)
     floor, _ = minimum_budget(cg, options)
     top = free.memory.peak
     # the last point sits a hair above the minimum so round-off cannot make it infeasible
-    budgets = np.linspace(top, floor * (1 + 1e-4), points)
-    out = []
-    for b in budgets:
-        sol = free if b >= top else solve(cg, replace(options, memory_budget=int(b)))
-        out.append(record(cg, float(b), sol, free))
-        r = out[-1]
-        print(f"budget {b / GIB:.3f} GiB: step {r['step_s'] * 1e3:.3f} ms, peak {r['peak'] / GIB:.3f} GiB, "
-              f"{r['label']}, {r['changed_nodes']} nodes changed, {r['status']} in {r['solve_s']:.1f} s", flush=True)
+    budgets = [float(b) for b in np.linspace(top, floor * (1 + 1e-4), points)]
+    out = [_solve_at(cg, b, options, free) for b in budgets]
+    jumps = [(a["budget"], b["budget"]) for a, b in zip(out, out[1:]) if b["step_s"] > 1.5 * a["step_s"]]
+    for hi, lo in jumps:
+        out += [_solve_at(cg, float(b), options, free) for b in np.linspace(hi, lo, refine + 2)[1:-1]]
+    out.sort(key=lambda r: -r["budget"])
     return out, floor
 
 
+def _solve_at(cg: CostGraph, budget: float, options: SolverOptions, free: Solution) -> dict:
+    sol = free if budget >= free.memory.peak else solve(cg, replace(options, memory_budget=int(budget)))
+    r = record(cg, budget, sol, free)
+    print(f"budget {budget / GIB:.3f} GiB: step {r['step_s'] * 1e3:.3f} ms, peak {r['peak'] / GIB:.3f} GiB, "
+          f"{r['label']}, {r['changed_nodes']} nodes changed, {r['status']} in {r['solve_s']:.1f} s", flush=True)
+    return r
+
+
 def plot(records: list[dict], title: str, path) -> None:
-    """Step time vs budget (top, decisions as labels) and decision counts (bottom, stacked)."""
+    """Step time by kind vs budget (top; decisions and changed nodes as labels; the y axis is cut
+    at 1.4x the unconstrained step, taller bars are marked) and decision counts (bottom)."""
     x = np.array([r["budget"] / GIB for r in records])
-    width = 0.6 * (x.max() - x.min()) / max(len(x) - 1, 1)
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    width = 0.7 * np.min(np.abs(np.diff(x))) if len(x) > 1 else 0.5
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
     kinds = ("compute", "comm", "reshard", "recompute", "offload")
     bottom = np.zeros(len(x))
     for kind, color in zip(kinds, ("#8c8c8c", "#4c72b0", "#64b5cd", "#dd8452", "#55a868")):
@@ -85,13 +94,20 @@ def plot(records: list[dict], title: str, path) -> None:
         if np.any(v):
             ax.bar(x, v, width, bottom=bottom, color=color, label=kind, alpha=0.85)
             bottom += v
-    ax.plot(x, bottom, "k.-", lw=1)
+    base = records[0]["step_s"] * 1e3
+    top = 1.4 * base
+    ax.set_ylim(0, top)
+    ax.plot(x, np.minimum(bottom, top * 0.97), "k.-", lw=1)
     for xi, yi, r in zip(x, bottom, records):
-        ax.annotate(f"{r['label']}\n{r['changed_nodes']} chg", (xi, yi), textcoords="offset points",
-                    xytext=(0, 4), ha="center", fontsize=7)
+        text = f"{r['label']}\n{r['changed_nodes']} chg"
+        if yi > top:
+            text = f"{yi:.0f} ms\n(off scale)\n" + text
+            ax.annotate(text, (xi, top * 0.97), xytext=(0, -52), textcoords="offset points", ha="center",
+                        fontsize=7, color="white", fontweight="bold")
+        else:
+            ax.annotate(text, (xi, yi), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7)
     ax.set_ylabel("modeled step time (ms)")
-    ax.set_ylim(0, bottom.max() * 1.18)
-    ax.legend(loc="lower left", fontsize=8, ncol=5)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="step time", title_fontsize=8)
     ax.set_title(title, fontsize=10)
     bottom = np.zeros(len(x))
     for d in DECISIONS:
@@ -101,7 +117,7 @@ def plot(records: list[dict], title: str, path) -> None:
             bottom += v
     bx.set_ylabel("segments")
     bx.set_xlabel("memory budget per device (GiB)")
-    bx.legend(loc="upper left", fontsize=8, ncol=4, bbox_to_anchor=(0, 1.35))
+    bx.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="decision", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -134,7 +150,8 @@ def main() -> None:
     write("solver_budget_sweep", data,
           ["budget GiB", "step ms", "peak GiB", *DECISIONS, "nodes changed", "status", "solve s"], rows,
           note=f"{a.model} (batch {a.batch}, seq {a.seq}) on mesh {a.mesh}, {a.hardware}; budgets evenly spaced "
-               f"from the unconstrained plan's peak to the minimum feasible budget ({floor / GIB:.3f} GiB); "
+               f"from the unconstrained plan's peak to the minimum feasible budget ({floor / GIB:.3f} GiB), "
+               f"with 3 more points inside any interval where the step time jumps by over 50%; "
                f"decisions are per transformer block. At the minimum budget the modeled step is "
                f"{slow:.1%} slower than unconstrained. 'nodes changed': cost-graph nodes whose strategy "
                f"differs from the unconstrained plan's. Plot: solver_budget_sweep.png.")

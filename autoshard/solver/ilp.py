@@ -159,16 +159,37 @@ class _Model:
             return pulp.LpAffineExpression(constant=float(values[0]))
         return pulp.LpAffineExpression([(v, float(c)) for v, c in zip(xs, values) if c != 0.0])
 
-    def product(self, b, expr: pulp.LpAffineExpression, upper: float, name: str = "z"):
-        """A variable equal to b * expr at the optimum (see module docstring)."""
+    def product(self, b, expr: pulp.LpAffineExpression, bounds: tuple[float, float], name: str = "z"):
+        """A variable equal to b * expr at the optimum (see module docstring), for lower <= expr <= upper.
+
+        ``z >= lower * b`` is implied at integer points but tightens the LP relaxation a lot: without
+        it a fractional b below 1 - expr/upper makes z free of cost.
+        """
+        lower, upper = bounds
         z = self.var(name=name)
         if upper > 0:
             self.prob += z >= expr - upper * (1 - b)
+        if lower > 0:
+            self.prob += z >= lower * b
         return z
+
+
+def _lower(values: np.ndarray) -> float:
+    return float(np.min(values)) if len(values) else 0.0
 
 
 def _upper(values: np.ndarray) -> float:
     return float(np.max(values)) if len(values) else 0.0
+
+
+def _bounds(values: np.ndarray) -> np.ndarray:
+    return np.array([_lower(values), _upper(values)])
+
+
+def _sum_bounds(arrays: Iterable[np.ndarray]) -> tuple[float, float]:
+    """Bounds of a sum of one-hot choices: the sums of the minima and of the maxima."""
+    total = sum((_bounds(a) for a in arrays), np.zeros(2))
+    return float(total[0]), float(total[1])
 
 
 # -- the formulation ------------------------------------------------------------------------------------
@@ -306,24 +327,26 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
         if key not in shared:
             shared[key] = _segment_terms(m, seg)
         st = shared[key]
-        A, A_up, F, F_up, B = st.saved, st.saved_up, st.fwd, st.fwd_up, st.bwd
+        A, F, B = st.saved, st.fwd, st.bwd
         d = {k: m.var(0, 1, pulp.LpBinary, name=f"d_{k}_") for k in allowed}
         m.prob += pulp.lpSum(d.values()) == 1
         keep = d.get("keep", 0)
-        seg_act.append(m.product(keep, A, A_up, "keep"))
-        if A_up > 0:   # working set: the largest segment that is not kept is rebuilt/brought back
-            m.prob += working >= A - A_up * keep
+        seg_act.append(m.product(keep, A, st.saved_b, "keep"))
+        if st.saved_b[1] > 0:   # working set: the largest segment that is not kept is rebuilt/brought back
+            m.prob += working >= A - st.saved_b[1] * keep
+            m.prob += working >= st.saved_b[0] * (1 - keep)
         if "recompute" in d:
-            seg_act.append(m.product(d["recompute"], st.ckpt, st.ckpt_up, "ck"))
-            objective_terms.append(m.product(d["recompute"], F, F_up, "rec"))
+            seg_act.append(m.product(d["recompute"], st.ckpt, st.ckpt_b, "ck"))
+            objective_terms.append(m.product(d["recompute"], F, st.fwd_b, "rec"))
         if "partitioned" in d:
-            seg_act.append(m.product(d["partitioned"], st.ckpt_part, st.ckpt_part_up, "ckp"))
-            objective_terms.append(m.product(d["partitioned"], F + st.gather, F_up + st.gather_up, "recp"))
+            seg_act.append(m.product(d["partitioned"], st.ckpt_part, st.ckpt_part_b, "ckp"))
+            objective_terms.append(m.product(d["partitioned"], F + st.gather,
+                                             (st.fwd_b[0] + st.gather_b[0], st.fwd_b[1] + st.gather_b[1]), "recp"))
         if "offload" in d:
             per_gib = M / hw.host_device_bandwidth * T     # microseconds to move one GiB
             for phase_compute in (F, B):   # device->host in forward, host->device in backward
                 exposed = m.var(name="off")
-                m.prob += exposed >= per_gib * A - phase_compute - per_gib * A_up * (1 - d["offload"])
+                m.prob += exposed >= per_gib * A - phase_compute - per_gib * st.saved_b[1] * (1 - d["offload"])
                 objective_terms.append(exposed)
         handles["segments"][seg.name] = d
         _order_identical_segments(m, seg, d, allowed, classes)
@@ -338,16 +361,16 @@ class _SegmentTerms:
     segment of the same class, with its upper bound for the exact products."""
 
     saved: object
-    saved_up: float
+    saved_b: tuple[float, float]
     fwd: object
-    fwd_up: float
+    fwd_b: tuple[float, float]
     bwd: object
     ckpt: object
-    ckpt_up: float
+    ckpt_b: tuple[float, float]
     ckpt_part: object
-    ckpt_part_up: float
+    ckpt_part_b: tuple[float, float]
     gather: object
-    gather_up: float
+    gather_b: tuple[float, float]
 
 
 def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
@@ -356,7 +379,7 @@ def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
     cg, mesh_shape, hw = m.cg, m.cg.mesh.shape, m.cg.hardware
     costs = [cg.nodes[n].costs for n in seg.nodes]
     ck_full, ck_part, ck_gather = [], [], []
-    ck_up = ck_part_up = gather_up = 0.0
+    ck_b, ck_part_b, gather_b = np.zeros(2), np.zeros(2), np.zeros(2)
     for e in seg.ckpt_edges:
         full_bytes = _spec_bytes(e, mesh_shape)
         axes = [replicated_axes(s, mesh_shape) for s in e.src_specs]
@@ -367,7 +390,9 @@ def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
         ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
         ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
         ck_gather.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(gather)))
-        ck_up, ck_part_up, gather_up = ck_up + _upper(full), ck_part_up + _upper(part), gather_up + _upper(gather)
+        ck_b += _bounds(full)
+        ck_part_b += _bounds(part)
+        gather_b += _bounds(gather)
 
     def held(expr) -> object:
         v = m.var(name="seg")
@@ -376,13 +401,13 @@ def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
 
     return _SegmentTerms(
         saved=held(pulp.lpSum(m.choice_expr(n, c.saved / M) for n, c in zip(seg.nodes, costs))),
-        saved_up=sum(_upper(c.saved / M) for c in costs),
+        saved_b=_sum_bounds(c.saved / M for c in costs),
         fwd=held(pulp.lpSum(m.choice_expr(n, _forward_time(c) * T) for n, c in zip(seg.nodes, costs))),
-        fwd_up=sum(_upper(_forward_time(c) * T) for c in costs),
+        fwd_b=_sum_bounds(_forward_time(c) * T for c in costs),
         bwd=held(pulp.lpSum(m.choice_expr(n, c.compute_bwd * T) for n, c in zip(seg.nodes, costs))),
-        ckpt=held(pulp.lpSum(ck_full)), ckpt_up=ck_up,
-        ckpt_part=held(pulp.lpSum(ck_part)), ckpt_part_up=ck_part_up,
-        gather=held(pulp.lpSum(ck_gather)), gather_up=gather_up,
+        ckpt=held(pulp.lpSum(ck_full)), ckpt_b=tuple(ck_b),
+        ckpt_part=held(pulp.lpSum(ck_part)), ckpt_part_b=tuple(ck_part_b),
+        gather=held(pulp.lpSum(ck_gather)), gather_b=tuple(gather_b),
     )
 
 
