@@ -80,6 +80,14 @@ def test_batch_that_does_not_divide_falls_back_to_fewer_axes_with_a_note():
     assert any("does not divide" in n for n in r.notes), r.notes
 
 
+def test_batch_that_divides_over_no_axis_is_replicated_with_a_note():
+    cg = graph("gpt2-tiny", batch=3)
+    r = zero3(cg)
+    for node in input_nodes(cg):
+        assert {str(node.strategies[c].output_specs[0]) for c in r.allowed[node.name]} == {"RR"}
+    assert any("divides over no mesh axis" in n for n in r.notes), r.notes
+
+
 # -- Megatron ---------------------------------------------------------------------------------------
 
 def test_megatron_gpt2_conv1d_layouts():

@@ -14,9 +14,10 @@ Families (``mesh_shape`` is 2D; axes of size 1 never shard):
   (dim 0) over all mesh axes of size > 1 (``S01`` on a 2D mesh, ``S1`` on ``(1, n)``).
 - :func:`megatron`: Megatron-LM tensor parallelism on ``tp_axis`` (default 1, the fast
   intra-node axis) with data parallelism on the other axis. Column-parallel linears shard their
-  output features, row-parallel ones their input features (bias replicated), embeddings are
-  vocab-parallel, the LM head is column-parallel on the vocabulary; norms and everything else
-  are replicated. User inputs are batch-sharded over the data-parallel axis.
+  output features, row-parallel ones their input features (bias replicated), token embeddings
+  are vocab-parallel, the LM head is column-parallel on the vocabulary (with tied weights, GPT-2,
+  one placeholder: dim 0 either way); position/token-type tables, norms and everything else are
+  replicated, as in Megatron-LM. User inputs are batch-sharded over the data-parallel axis.
 - :func:`zero3`: ZeRO-3 / FSDP: every parameter sharded over all devices (``S01`` on dim 0 when
   it divides, else the largest dim that divides, else replicated); inputs batch-sharded over
   all axes.
@@ -182,7 +183,9 @@ class _Plan:
                                    f"{meta.shape[0]} does not divide over axes {tuple(axes)}; "
                                    f"sharded over {subset} only")
                 return
-        self.require(node, _spec(meta.ndim), f"batch {meta.shape[0]} does not divide")
+        self.allowed[node.name] = _indices(node, _spec(meta.ndim))
+        self.notes.add(f"{self.family}: input {self.name(node)} {meta.shape}: batch {meta.shape[0]} divides "
+                       f"over no mesh axis of {self.cg.mesh}: replicated instead")
 
     def restriction(self) -> Restriction:
         return Restriction(self.allowed, self.notes.lines())
