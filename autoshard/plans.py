@@ -187,6 +187,7 @@ class SolverReport:
     n_variables: int
     n_constraints: int
     solver: str
+    gap: float | None = None      # relative distance to the solver's proven bound (None: not reported)
 
 
 # -- the plan ------------------------------------------------------------------------------------------
@@ -263,7 +264,8 @@ class Plan:
             comm=_comm_entries(nodes.values(), reshards, decisions, _partition_gathers(cg, solution)),
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
-                                int(solution.n_variables), int(solution.n_constraints), str(solution.solver)),
+                                int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
+                                solution.gap),
             timings={k: float(v) for k, v in (timings or {}).items()},
             fallbacks=list(cg.table.fallbacks),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -571,12 +573,15 @@ def _load(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise PlanError(f"{where} should be an object, got {_type_name(data)}. {_REPLAN}.")
     hints = typing.get_type_hints(cls)
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    def required(f: dataclasses.Field) -> bool:
+        return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and required(f)]
     if missing:
         raise PlanError(f"{where} lacks field(s) {', '.join(repr(m) for m in missing)}; the file is "
                         f"incomplete or not an autoshard plan. {_REPLAN}.")
     values = {f.name: _convert(data[f.name], hints[f.name], f"{where}: field '{f.name}'")
-              for f in dataclasses.fields(cls)}
+              for f in dataclasses.fields(cls) if f.name in data}
     return cls(**values)
 
 
@@ -660,7 +665,9 @@ def _summary_lines(plan: Plan) -> list[str]:
             f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),
         _comm_line(plan),
         _decision_line(plan),
-        f"solver: {s.solver} {s.status}, objective {_fmt_time(s.objective)}, build {s.build_seconds:.2f} s + "
+        f"solver: {s.solver} {s.status}"
+        + (f" (within {100 * s.gap:.2f}% of the proven bound)" if s.status != "optimal" and s.gap is not None else "")
+        + f", objective {_fmt_time(s.objective)}, build {s.build_seconds:.2f} s + "
         f"solve {s.solve_seconds:.2f} s, {s.n_variables} variables, {s.n_constraints} constraints",
     ]
     if plan.timings:

@@ -109,6 +109,14 @@ class Solution:
     n_constraints: int
     solver: str
     stats: dict = field(default_factory=dict)
+    bound: float | None = None     # proven lower bound on the objective (seconds), when the solver reports one
+
+    @property
+    def gap(self) -> float | None:
+        """Relative distance to the proven bound: 0 when optimal; how far a time-limited solve may be off."""
+        if self.bound is None or self.objective <= 0:
+            return None
+        return max(0.0, (self.objective - self.bound) / self.objective)
 
 
 # -- linear expressions over strategy choices ------------------------------------------------------------
@@ -524,7 +532,16 @@ def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float
     decisions = {seg: max(d, key=lambda k: _value(d[k])) for seg, d in handles["segments"].items()}
     time_pred, mem = predict(cg, choice, decisions, m.options)
     return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective) / T, build, solve_s,
-                    m.prob.numVariables(), m.prob.numConstraints(), m.options.solver)
+                    m.prob.numVariables(), m.prob.numConstraints(), m.options.solver, bound=_dual_bound(m.prob))
+
+
+def _dual_bound(prob: pulp.LpProblem) -> float | None:
+    """HiGHS's proven MIP lower bound, converted to seconds (None for other solvers)."""
+    model = getattr(prob, "solverModel", None)
+    if model is None or not hasattr(model, "getInfo"):
+        return None
+    bound = model.getInfo().mip_dual_bound
+    return None if not np.isfinite(bound) else float(bound) / T
 
 
 def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
