@@ -214,7 +214,7 @@ def check_strategy(op: OpInfo, handler, strategy: Strategy, values: Sequence[tor
         for j, (t, ref_in) in enumerate(zip(local_in[c], g_inputs)):
             want = shard_of(ref_in.detach(), strategy.input_specs[j], mesh_shape, c)
             _assert_close(t.detach(), want, rtol, atol, f"{op.describe()} strategy {strategy.name!r}: "
-                                                        f"operand {j} after the op on device {c}")
+                                                        f"operand {j} after the op on device {c}", equal_nan=True)
         g_local = [None if g is None else shard_of(g, s, mesh_shape, c)
                    for g, s in zip(grad_out, strategy.output_specs)]
         return _grads(outs_t, g_local, local_in[c])
@@ -257,10 +257,13 @@ def _grads(outs: Sequence[torch.Tensor], grad_out: Sequence[torch.Tensor | None]
     return result
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+def _assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str,
+                  equal_nan: bool = False) -> None:
+    """``equal_nan`` for operands compared after the op: an untouched NaN must still match itself."""
     if got.shape != want.shape:
         raise AssertionError(f"{what}: local shape {tuple(got.shape)} != expected {tuple(want.shape)}")
     if got.dtype.is_floating_point:
-        torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=atol, equal_nan=equal_nan,
+                                   msg=lambda m: f"{what}: {m}")
     elif not torch.equal(got, want):
         raise AssertionError(f"{what}: values differ")
