@@ -21,15 +21,6 @@ aten = torch.ops.aten
 HW = load_hardware("h100-nvlink")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The simulated devices are threads: torch's intra-op pool per thread only oversubscribes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _x(*shape) -> torch.Tensor:
     return torch.randn(shape).requires_grad_()
 

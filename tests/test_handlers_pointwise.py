@@ -101,15 +101,6 @@ POINTWISE_CASES: dict[str, tuple] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The simulated devices are threads: torch's intra-op pool per thread only oversubscribes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def exported():
     cache: dict = {}
