@@ -13,6 +13,8 @@ from .strategy import AxisOption, CommAction, MemoryCost, Strategy
 from .plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from .solver.ilp import InfeasibleBudgetError
 from .api import BudgetError, plan
+from .runtime import (CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
+                      parallelize, save_checkpoint)
 
 __version__ = "0.1.0"
 
@@ -22,5 +24,6 @@ __all__ = [
     "StrategyTable", "TensorMeta", "UnsupportedOpError", "available_profiles", "capture",
     "enumerate_strategies", "load_hardware", "reshard_cost", "reshard_plan",
     "BudgetError", "InfeasibleBudgetError", "PLAN_FORMAT_VERSION", "Plan", "PlanError", "PlanMismatchError",
-    "plan",
+    "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
+    "parallelize", "save_checkpoint",
 ]

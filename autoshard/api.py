@@ -38,7 +38,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          memory_budget: "int | float | str | None" = None, optimizer_bytes_per_param: float = 8.0,
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
-         name: str | None = None, check_batch: bool = True) -> Plan:
+         name: str | None = None, check_batch: bool = True, baseline: str | None = None) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -51,7 +51,9 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     cost graph (see :func:`autoshard.solver.build_cost_graph`). ``solver``, ``time_limit`` (s)
     and ``gap_rel`` configure the ILP. ``progress`` shows each stage with its time on stderr.
     ``name`` labels the model in the plan (default: the graph's name). ``check_batch``: require
-    the mesh size to divide dim 0 of every input tensor.
+    the mesh size to divide dim 0 of every input tensor. ``baseline``: instead of the free
+    optimum, the best plan of a hand-written family (``"data_parallel"``, ``"megatron"``,
+    ``"zero3"``; see :mod:`autoshard.solver.baselines`), memory decisions fixed to keep.
 
     Raises :class:`MeshError` (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
@@ -76,7 +78,12 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
     with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"):
-        solution = solve(cg, options)
+        if baseline is None:
+            solution = solve(cg, options)
+        else:
+            from .solver.baselines import solve_baseline
+
+            solution = solve_baseline(cg, baseline, options).solution
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
     timings.pop("solve_wall_s")
     return Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,

@@ -229,6 +229,12 @@ class Plan:
     timings: dict[str, float]
     fallbacks: list[str]
     created: str
+    inputs: dict[str, Any] | None = None
+
+    # ``inputs``: the call signature the graph was captured with (``in_spec``: the pytree spec of
+    # ``(args, kwargs)`` as ``treespec_dumps`` writes it; ``leaves``: per leaf ``{"shape", "dtype"}``
+    # for a tensor or ``{"value"}`` for a constant), so that the runtime can capture the same graph
+    # without example inputs. None when the signature cannot be written as JSON.
 
     # -- construction --------------------------------------------------------------------------
 
@@ -268,6 +274,7 @@ class Plan:
                                 solution.gap),
             timings={k: float(v) for k, v in (timings or {}).items()},
             fallbacks=list(cg.table.fallbacks),
+            inputs=input_signature(cg.graph),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
 
@@ -404,6 +411,31 @@ _REPLAN = "Re-create the plan"
 
 
 # -- building entries ----------------------------------------------------------------------------------
+
+def input_signature(graph: "CapturedGraph") -> dict[str, Any] | None:
+    """The JSON form of the graph's call signature (see :attr:`Plan.inputs`), or None."""
+    import torch.utils._pytree as pytree
+    from torch.export.graph_signature import InputKind
+
+    leaves: list[dict[str, Any]] = []
+    for spec in graph.exported.graph_signature.input_specs:
+        if spec.kind != InputKind.USER_INPUT:
+            continue
+        name = spec.arg.name
+        meta = graph.tensor_meta(name) if name not in graph.constant_inputs else None
+        if meta is None or isinstance(meta, tuple):
+            value = graph.constant_inputs.get(name)
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                return None
+            leaves.append({"value": value})
+        else:
+            leaves.append({"shape": [int(d) for d in meta.shape], "dtype": str(meta.dtype).removeprefix("torch.")})
+    try:
+        in_spec = pytree.treespec_dumps(graph.exported.call_spec.in_spec)
+    except (TypeError, NotImplementedError):     # a container pytree cannot serialise
+        return None
+    return {"in_spec": in_spec, "leaves": leaves}
+
 
 def _strategy(cg: "CostGraph", name: str, choice: dict[str, int]) -> Strategy:
     return cg.table[name].strategies[choice[name]]

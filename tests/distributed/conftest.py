@@ -5,9 +5,12 @@ Run: OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 --standalone -m pytest tests/
 """
 import datetime
 import os
+import sys
 
 import pytest
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))   # op_cases, runtime_harness
 
 
 def pytest_configure(config):

@@ -1,0 +1,8 @@
+"""Run a plan: per-rank parallel modules over a torch DeviceMesh (see :func:`parallelize`)."""
+from .collectives import CommCounter, MeshComm
+from .init import init_mesh
+from .parallel import ParallelModule, PlanDisagreementError, capture_meta, example_inputs, parallelize
+from .state import load_checkpoint, save_checkpoint
+
+__all__ = ["CommCounter", "MeshComm", "ParallelModule", "PlanDisagreementError", "capture_meta", "example_inputs", "init_mesh",
+           "load_checkpoint", "parallelize", "save_checkpoint"]

@@ -1,0 +1,281 @@
+"""Collectives of a plan on a real process group: per-axis groups, autograd-correct wrappers, a counter.
+
+:class:`MeshComm` is the runtime's :class:`autoshard.comm_api.DeviceComm`: one per rank, built
+from a torch ``DeviceMesh``. Besides the all-reduce the kernels use, it runs the resharding moves
+of :mod:`autoshard.reshard` (all-gather, split, all-to-all, all-reduce, reduce-scatter,
+to-partial) on local shards, and records every collective in a :class:`CommCounter` with the byte
+convention of :mod:`autoshard.comm`, so that measured traffic can be compared with the plan's.
+
+Autograd: the forward all-reduce that resolves a partial output has an identity backward (the
+gradient of a sum is handed to every summand); the gradient all-reduce of an operand that is
+replicated where the computation is split is an identity forward with an all-reduce backward;
+a resharding runs the plan's forward moves forward and the plan's backward moves (gradient
+resharding, consumer spec back to producer spec) backward.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"
+
+Move = tuple[str, int, tuple[int, ...]]
+"""One resharding move: (kind, mesh axis, dims) as in :class:`autoshard.reshard.ReshardStep`."""
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str
+    axes: tuple[int, ...]
+    phase: str
+    nbytes: int
+
+
+class CommCounter:
+    """Every collective a rank runs: kind, mesh axes, phase and bytes per device (comm.py convention).
+
+    ``with counter.recording():`` collects records; :meth:`totals` sums bytes and counts by
+    (kind, axes, phase), the same key as :attr:`autoshard.Plan.comm`.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.enabled = False
+
+    def add(self, kind: str, axes: Sequence[int], phase: str, nbytes: int) -> None:
+        if self.enabled:
+            self.records.append(CommRecord(kind, tuple(axes), phase, int(nbytes)))
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def recording(self) -> "_Recording":
+        return _Recording(self)
+
+    def totals(self) -> dict[tuple[str, tuple[int, ...], str], tuple[int, int]]:
+        """(kind, axes, phase) -> (bytes per device, number of calls)."""
+        out: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
+        for r in self.records:
+            t = out[(r.kind, r.axes, r.phase)]
+            t[0] += r.nbytes
+            t[1] += 1
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+
+class _Recording:
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> CommCounter:
+        self.counter.clear()
+        self.counter.enabled = True
+        return self.counter
+
+    def __exit__(self, *exc: object) -> None:
+        self.counter.enabled = False
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MeshComm:
+    """Collectives of one rank over the mesh axes of a ``DeviceMesh`` (see the module docstring)."""
+
+    def __init__(self, device_mesh, counter: CommCounter | None = None) -> None:
+        self.device_mesh = device_mesh
+        self.mesh_shape: tuple[int, ...] = tuple(device_mesh.shape)
+        self.coord: tuple[int, ...] = tuple(int(c) for c in device_mesh.get_coordinate())
+        self.counter = counter or CommCounter()
+        self._groups = {(a,): device_mesh.get_group(a) for a in range(len(self.mesh_shape))}
+        # Both axes: the mesh covers the world (init_mesh checks), in row-major rank order, which is
+        # the outer-axis-first block order of a dim sharded over (0, 1).
+        self._groups[tuple(range(len(self.mesh_shape)))] = dist.group.WORLD
+        self.phase = FWD
+
+    # -- DeviceComm ----------------------------------------------------------------------------
+
+    def axis_index(self, axis: int) -> int:
+        return self.coord[axis]
+
+    def shard_index(self, axes: Sequence[int]) -> int:
+        idx = 0
+        for a in axes:
+            idx = idx * self.mesh_shape[a] + self.coord[a]
+        return idx
+
+    def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
+                   backward: str = "sum") -> torch.Tensor:
+        """Autograd-aware all-reduce over ``axes`` (see :class:`autoshard.comm_api.DeviceComm`)."""
+        axes = self.live_axes(axes)
+        if not axes:
+            return t
+        if op != "sum" or not t.requires_grad:
+            return self.raw_all_reduce(t.detach().clone(), axes, op=op)
+        return _AllReduce.apply(t, self, axes, backward)
+
+    # -- raw collectives on local tensors (counted) --------------------------------------------
+
+    def live_axes(self, axes: Sequence[int]) -> tuple[int, ...]:
+        return tuple(sorted(a for a in axes if self.mesh_shape[a] > 1))
+
+    def group(self, axes: Sequence[int]):
+        return self._groups[tuple(axes)]
+
+    def raw_all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
+                       phase: str | None = None) -> torch.Tensor:
+        """In-place all-reduce of a contiguous tensor; returns it."""
+        t = t.contiguous()
+        self.counter.add("all_reduce", axes, phase or self.phase, _nbytes(t))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group(axes))
+        return t
+
+    def all_gather(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
+        n = self.mesh_shape[axis]
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
+        self.counter.add("all_gather", (axis,), phase, _nbytes(out))
+        dist.all_gather_into_tensor(out, src, group=self.group((axis,)))
+        return out.movedim(0, dim)
+
+    def split(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+        return t.chunk(self.mesh_shape[axis], dim)[self.coord[axis]].contiguous()
+
+    def all_to_all(self, t: torch.Tensor, axis: int, dim_from: int, dim_to: int, phase: str) -> torch.Tensor:
+        """Un-shard ``dim_from`` and shard ``dim_to`` over ``axis``."""
+        n = self.mesh_shape[axis]
+        src = torch.stack(t.chunk(n, dim_to)).contiguous()
+        out = torch.empty_like(src)
+        self.counter.add("all_to_all", (axis,), phase, _nbytes(t))
+        dist.all_to_all_single(out, src, group=self.group((axis,)))
+        return torch.cat(out.unbind(0), dim=dim_from)
+
+    def reduce_scatter(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
+        n = self.mesh_shape[axis]
+        src = torch.stack(t.chunk(n, dim)).contiguous()
+        out = torch.empty_like(src[0])
+        self.counter.add("reduce_scatter", (axis,), phase, _nbytes(t))
+        dist.reduce_scatter_tensor(out, src, group=self.group((axis,)))
+        return out
+
+    def to_partial(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        return t.clone() if self.coord[axis] == 0 else torch.zeros_like(t)
+
+    def run_moves(self, t: torch.Tensor, moves: Sequence[Move], phase: str) -> torch.Tensor:
+        """Apply resharding moves to a local shard (no autograd: see :func:`reshard`)."""
+        for kind, axis, dims in moves:
+            if kind == "all_gather":
+                t = self.all_gather(t, axis, dims[0], phase)
+            elif kind == "split":
+                t = self.split(t, axis, dims[0])
+            elif kind == "all_to_all":
+                t = self.all_to_all(t, axis, dims[0], dims[1], phase)
+            elif kind == "all_reduce":
+                t = self.raw_all_reduce(t.clone(), (axis,), phase=phase)
+            elif kind == "reduce_scatter":
+                t = self.reduce_scatter(t, axis, dims[0], phase)
+            elif kind == "to_partial":
+                t = self.to_partial(t, axis)
+            else:
+                raise ValueError(f"unknown resharding move {kind!r}")
+        return t
+
+    # -- what generated code calls (``comm.reshard(x, ...)``; see the functions below) ----------
+
+    def reshard(self, x: torch.Tensor, fwd: tuple[Move, ...], bwd: tuple[Move, ...]) -> torch.Tensor:
+        return reshard(x, self, fwd, bwd)
+
+    def reduce_partial(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return reduce_partial(x, self, axes)
+
+    def sync_grad(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return sync_grad(x, self, axes)
+
+    def shard_input(self, x: torch.Tensor, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        return shard_input(x, self, dims)
+
+    def __repr__(self) -> str:
+        return f"MeshComm(mesh={self.mesh_shape}, coord={self.coord})"
+
+
+# -- autograd wrappers ---------------------------------------------------------------------------
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over ``axes``; backward: the same sum ('sum') or the identity ('identity')."""
+
+    @staticmethod
+    def forward(ctx, x, comm: MeshComm, axes: tuple[int, ...], backward: str):  # type: ignore[override]
+        ctx.comm, ctx.axes, ctx.backward = comm, axes, backward
+        return comm.raw_all_reduce(x.detach().clone(), axes, phase=comm.phase)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        if ctx.backward == "identity":
+            return g, None, None, None
+        return ctx.comm.raw_all_reduce(g.clone(), ctx.axes, phase=BWD), None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``axes`` (a replicated operand of a split
+    computation: each device holds a partial sum of its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: MeshComm, axes: tuple[int, ...]):  # type: ignore[override]
+        ctx.comm, ctx.axes = comm, axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return ctx.comm.raw_all_reduce(g.clone(), ctx.axes, phase=BWD), None, None
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...]):  # type: ignore[override]
+        ctx.comm, ctx.bwd = comm, bwd
+        return comm.run_moves(x.detach(), fwd, comm.phase)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return ctx.comm.run_moves(g, ctx.bwd, BWD), None, None, None
+
+
+# -- the functions generated code calls ------------------------------------------------------------
+
+def reduce_partial(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> torch.Tensor:
+    """Resolve a partial output: all-reduce forward, identity backward."""
+    if not x.requires_grad:
+        return comm.raw_all_reduce(x.detach().clone(), axes)
+    return _AllReduce.apply(x, comm, axes, "identity")
+
+
+def sync_grad(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over ``axes`` backward."""
+    return _GradAllReduce.apply(x, comm, axes) if x.requires_grad else x
+
+
+def reshard(x: torch.Tensor, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...]) -> torch.Tensor:
+    """Move a local shard to another layout; its gradient takes the plan's backward moves."""
+    if not x.requires_grad:
+        return comm.run_moves(x, fwd, comm.phase)
+    return _Reshard.apply(x, comm, fwd, bwd)
+
+
+def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """This rank's block of a global tensor: dim ``d`` split over mesh axes ``dims[d]``."""
+    for d, axes in enumerate(dims):
+        if axes:
+            n = math.prod(comm.mesh_shape[a] for a in axes)
+            x = x.chunk(n, d)[comm.shard_index(axes)]
+    return x.contiguous() if not x.is_contiguous() else x
+
+
+def iter_moves(steps: Sequence[object]) -> Iterator[Move]:
+    """Plan step entries (with ``kind``, ``axis``, ``dims``) as moves."""
+    for s in steps:
+        yield (str(s.kind), int(s.axis), tuple(int(d) for d in s.dims))  # type: ignore[attr-defined]

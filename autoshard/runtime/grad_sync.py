@@ -1,0 +1,115 @@
+"""Bucketed gradient synchronisation of parameters replicated over mesh axes (DDP-style).
+
+A parameter that every use reads in its stored layout, and whose gradient each rank computes as a
+partial sum over the same mesh axes, is not all-reduced per use in the graph. Its incoming gradient
+is caught by a tensor hook; parameters are grouped into buckets (by axes and dtype, in reverse
+order of first use, so buckets fill in the order backward produces gradients); a full bucket is
+flattened and all-reduced asynchronously while backward goes on; at the end of backward every
+bucket is waited for and the summed gradient written back. Gradient accumulation over several
+backward passes is exact: the hook remembers what ``.grad`` held before this pass and the
+result is ``previous + reduced``, never ``previous`` reduced twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .collectives import BWD, MeshComm
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[int, ...]
+    params: list[torch.nn.Parameter]
+    incoming: dict[int, torch.Tensor] = field(default_factory=dict)    # id(param) -> this pass's gradient
+    previous: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    flat: torch.Tensor | None = None
+    work: object = None
+    order: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.incoming.clear()
+        self.previous.clear()
+        self.flat, self.work, self.order = None, None, []
+
+
+class GradSync:
+    """Installs the hooks on ``params`` (pairs of parameter and gradient all-reduce axes)."""
+
+    def __init__(self, comm: MeshComm, params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.comm = comm
+        self.buckets = _make_buckets(params, bucket_bytes)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.armed = False
+        self.enabled = True
+        for b in self.buckets:
+            for p in b.params:
+                p.register_hook(self._hook_for(p))
+
+    def _hook_for(self, p: torch.nn.Parameter):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.enabled:
+                return grad
+            if not self.armed:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self.armed = True
+            b = self.bucket_of[id(p)]
+            b.incoming[id(p)] = _local(grad)
+            b.previous[id(p)] = None if p.grad is None else _local(p.grad).clone()
+            if len(b.incoming) == len(b.params):
+                self._launch(b)
+            return grad
+
+        return hook
+
+    def _launch(self, b: _Bucket) -> None:
+        b.order = [id(p) for p in b.params if id(p) in b.incoming]
+        b.flat = torch.cat([b.incoming[i].reshape(-1) for i in b.order])
+        self.comm.counter.add("all_reduce", b.axes, BWD, b.flat.numel() * b.flat.element_size())
+        b.work = dist.all_reduce(b.flat, group=self.comm.group(b.axes), async_op=True)
+
+    def _finish(self) -> None:
+        self.armed = False
+        for b in self.buckets:
+            if b.incoming and b.work is None:
+                self._launch(b)          # a bucket some of whose parameters got no gradient
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            b.work.wait()
+            params = {id(p): p for p in b.params}
+            offset = 0
+            for i in b.order:
+                p = params[i]
+                n = b.incoming[i].numel()
+                reduced = b.flat[offset:offset + n].view_as(b.incoming[i])
+                offset += n
+                prev = b.previous[i]
+                _local(p.grad).copy_(reduced if prev is None else prev + reduced)
+            b.reset()
+
+
+def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    open_by_key: dict[tuple, tuple[_Bucket, int]] = {}
+    for p, axes in reversed(list(params)):          # last used first: backward reaches them first
+        key = (axes, _local(p).dtype)
+        nbytes = _local(p).numel() * _local(p).element_size()
+        current = open_by_key.get(key)
+        if current is None or current[1] + nbytes > bucket_bytes and current[0].params:
+            current = (_Bucket(axes, []), 0)
+            buckets.append(current[0])
+        current[0].params.append(p)
+        open_by_key[key] = (current[0], current[1] + nbytes)
+    return buckets

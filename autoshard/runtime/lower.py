@@ -1,0 +1,306 @@
+"""Lower a plan to the local program of one rank: an fx graph over local shards with collectives.
+
+Every graph node runs its handler's local kernel (:class:`autoshard.handlers.registry.LocalKernel`)
+under the plan's strategy. Around it the generated code inserts, by name:
+
+- ``reshard(x, comm, fwd=..., bwd=...)`` where the producer's output spec differs from the
+  consumer's input spec (the plan's forward moves; the gradient takes the plan's backward moves);
+- ``sync_grad(x, comm, axes)`` on an operand that is replicated on axes where the computation is
+  split (identity forward, gradient all-reduce backward) - except parameters whose every use
+  needs the same gradient all-reduce: those are synchronised after backward in buckets
+  (:mod:`autoshard.runtime.grad_sync`);
+- ``reduce_partial(y, comm, axes)`` on an output that is a pending sum (all-reduce forward,
+  identity backward);
+- ``shard_input(x, comm, dims)`` on a user input given as the global batch.
+
+The graph's placeholders are the original ones (parameters, buffers, user inputs, in order), fed
+with local tensors; the outputs are the original outputs, replicated (global).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..capture import CapturedGraph
+from ..enumerate import node_strategies
+from ..handlers import handler_for
+from ..handlers.registry import default_kernel
+from ..mesh import MeshSpec
+from ..opinfo import OpInfo
+from ..plans import Plan, PlanError, ReshardEntry
+from ..specs import ShardSpec
+from ..strategy import BWD, FWD, Strategy
+from .collectives import MeshComm, iter_moves
+
+_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format,
+             slice, type(Ellipsis))
+
+
+@dataclass
+class PlaceholderInfo:
+    """One input of the local program: what it is and the layout it is held in."""
+
+    name: str
+    kind: str                      # "param", "buffer", "constant", "input", "unused"
+    fqn: str | None
+    spec: ShardSpec | None
+
+
+@dataclass
+class LocalProgram:
+    """The generated module and what its caller must feed it."""
+
+    module: fx.GraphModule
+    placeholders: list[PlaceholderInfo]
+    bucketed_grads: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param placeholder -> axes
+
+
+class LoweringError(PlanError):
+    """A plan that cannot be lowered onto this graph (names the node and what to do)."""
+
+
+def lower(graph: CapturedGraph, plan: Plan, comm: MeshComm, device: torch.device, *,
+          input_mode: str = "global", bucket_grads: bool = True) -> LocalProgram:
+    """The local program of this rank for ``plan`` on ``graph`` (see the module docstring)."""
+    return _Lowering(graph, plan, comm, device, input_mode, bucket_grads).run()
+
+
+class _Lowering:
+    def __init__(self, graph: CapturedGraph, plan: Plan, comm: MeshComm, device: torch.device,
+                 input_mode: str, bucket_grads: bool) -> None:
+        if input_mode not in ("global", "local"):
+            raise ValueError(f"input_mode must be 'global' or 'local', got {input_mode!r}")
+        self.graph, self.plan, self.comm, self.device = graph, plan, comm, device
+        self.input_mode = input_mode
+        self.mesh = MeshSpec.of(tuple(plan.mesh_shape))
+        self.hw = plan.hardware_profile()
+        self.fallback = "replicate" if plan.fallbacks else "error"
+        self.reshards: dict[tuple[str, int], ReshardEntry] = {(r.dst, r.operand): r for r in plan.reshards}
+        self.out = fx.Graph()
+        self.root = torch.nn.Module()
+        self.root.comm = comm
+        self.comm_node: fx.Node | None = None
+        self.env: dict[str, Any] = {}          # old node name -> new node (or list, multi-output)
+        self.spec_of: dict[str, Any] = {}      # old node name -> output spec (or list)
+        self.n_consts = 0
+        self.cache: dict = {}
+        self.bucketed = self._bucketable_params() if bucket_grads else {}
+
+    # -- driver ----------------------------------------------------------------------------------
+
+    def run(self) -> LocalProgram:
+        placeholders = []
+        for node in self.graph.graph.nodes:
+            if node.op == "placeholder":
+                placeholders.append(self._placeholder(node))
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                self._output(node)
+            elif node.op == "get_attr":
+                self.env[node.name] = self._constant(getattr(self.graph.graph_module, node.target), node.name)
+            else:
+                raise LoweringError(f"node '{node.name}' has fx op {node.op!r}, which the runtime cannot run")
+        self.out.lint()
+        gm = fx.GraphModule(self.root, self.out, class_name="LocalProgram")
+        return LocalProgram(gm, placeholders, dict(self.bucketed))
+
+    # -- placeholders ----------------------------------------------------------------------------
+
+    def _placeholder(self, node: fx.Node) -> PlaceholderInfo:
+        g = self.graph
+        name = node.name
+        new = self.out.placeholder(name)
+        spec = self._node_plan(name).output_specs()[0]
+        if name in g.param_fqn:
+            kind, fqn = "param", g.param_fqn[name]
+        elif name in g.buffer_fqn:
+            kind, fqn = "buffer", g.buffer_fqn[name]
+        elif name in g.constant_fqn:
+            kind, fqn = "constant", g.constant_fqn[name]
+        elif name in g.tied_placeholders:
+            kind, fqn = "unused", None
+        else:
+            kind, fqn = "input", g.user_input_specs.get(name)
+        if kind == "input" and self.input_mode == "global" and spec is not None and not spec.is_replicated():
+            new = self.out.call_method("shard_input", (self._comm(), new, spec.dims))
+        self.env[name] = new
+        self.spec_of[name] = spec
+        return PlaceholderInfo(name, kind, fqn, spec)
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def _call(self, node: fx.Node) -> None:
+        strategy = self._strategy(node)
+        handler = handler_for(node.target)
+        op = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free))
+        kernel = (handler.kernel if handler is not None else default_kernel)(op, strategy)
+        local: dict[fx.Node, fx.Node] = {}
+        for j, operand in enumerate(op.operand_nodes):
+            value = self._operand(node, j, operand, strategy)
+            if operand in local and local[operand] is not value:
+                raise LoweringError(f"{op.describe()}: operand '{operand.name}' is used twice in different "
+                                    f"layouts, which the runtime cannot express; re-plan with this node replicated")
+            local[operand] = value
+        if node.target is operator.getitem:       # the element itself, already in the input layout
+            self.env[node.name] = local[op.operand_nodes[0]] if op.operand_nodes else self._literal(node.args)
+            self.spec_of[node.name] = strategy.output_specs[0]
+            return
+        args, kwargs = self._substitute((kernel.args, kernel.kwargs), local)
+        if kernel.uses_comm:
+            kwargs = {**kwargs, "comm": self._comm()}
+        result = self.out.create_node("call_function", kernel.target, tuple(args), dict(kwargs), name=node.name)
+        is_tuple = isinstance(self.graph.tensor_meta(node), tuple)
+        outs = self._outputs(op, strategy, result, is_tuple)
+        if kernel.epilogue is not None:
+            ins = tuple(local[o] for o in op.operand_nodes)
+            packed = self.out.call_function(kernel.epilogue, (tuple(outs), ins))
+            outs = [self.out.call_function(operator.getitem, (packed, j)) for j in range(len(outs))]
+        self.env[node.name] = outs if is_tuple else outs[0]
+        self.spec_of[node.name] = list(strategy.output_specs)
+
+    def _outputs(self, op: OpInfo, strategy: Strategy, result: fx.Node, is_tuple: bool) -> list[fx.Node]:
+        """Per-output nodes (elements of a tuple result), with the partial outputs all-reduced."""
+        n = len(op.outputs)
+        outs = [self.out.call_function(operator.getitem, (result, j)) for j in range(n)] if is_tuple else [result]
+        for j in range(n):
+            axes = _comm_axes(strategy, FWD, f"out{j}", self.comm)
+            if axes:
+                outs[j] = self.out.call_method("reduce_partial", (self._comm(), outs[j], axes))
+        return outs
+
+    def _operand(self, node: fx.Node, j: int, operand: fx.Node, strategy: Strategy) -> fx.Node:
+        value = self.env[operand.name]
+        src_output = int(node.args[1]) if node.target is operator.getitem else 0
+        if isinstance(value, list):
+            value = value[src_output]
+        entry = self.reshards.get((node.name, j))
+        if entry is not None:
+            if entry.src != operand.name:
+                raise LoweringError(f"plan reshards operand {j} of node '{node.name}' from '{entry.src}', "
+                                    f"but the graph's operand is '{operand.name}': the plan is for another graph")
+            value = self._reshard(value, entry)
+        axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
+        if axes and not (entry is None and operand.name in self.bucketed):
+            value = self.out.call_method("sync_grad", (self._comm(), value, axes))
+        return value
+
+    def _output(self, node: fx.Node) -> None:
+        plan_node = self._node_plan(node.name)
+        specs = plan_node.input_specs()
+        tensor_ops = [n for n in node.all_input_nodes if self.graph.tensor_meta(n) is not None
+                      and not isinstance(self.graph.tensor_meta(n), tuple)]
+        values: dict[fx.Node, fx.Node] = {}
+        for j, operand in enumerate(tensor_ops):
+            entry = self.reshards.get((node.name, j))
+            value = self.env[operand.name]
+            value = value[0] if isinstance(value, list) else value
+            if entry is not None:
+                value = self._reshard(value, entry)
+            elif not specs[j].is_replicated():
+                raise LoweringError(f"output '{operand.name}' is not replicated and the plan has no resharding "
+                                    f"for it; the plan is inconsistent")
+            values[operand] = value
+        args = pytree.tree_map(lambda x: values.get(x, x) if isinstance(x, fx.Node) else x, node.args)
+        self.out.output(args[0] if len(args) == 1 else args)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _node_plan(self, name: str):
+        try:
+            return self.plan.nodes[name]
+        except KeyError:
+            raise LoweringError(f"the plan has no entry for graph node '{name}': it was made for another "
+                                f"graph. Re-plan this model.") from None
+
+    def _strategy(self, node: fx.Node) -> Strategy:
+        entry = self._node_plan(node.name)
+        strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)
+        try:
+            s = strategies.by_name(entry.strategy)
+        except KeyError as e:
+            raise LoweringError(f"node '{node.name}' ({entry.op}, module '{entry.module}'): {e}. The plan was "
+                                f"made by another autoshard version or for another graph; re-plan.") from None
+        if [str(x) for x in s.input_specs] != entry.inputs:
+            raise LoweringError(f"node '{node.name}': strategy {entry.strategy!r} has inputs "
+                                f"{[str(x) for x in s.input_specs]}, the plan says {entry.inputs}; re-plan")
+        return s
+
+    def _reshard(self, value: fx.Node, entry: ReshardEntry) -> fx.Node:
+        return self.out.create_node("call_method", "reshard", (self._comm(), value),
+                                    {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))},
+                                    name=f"{entry.src}_{entry.dst_spec}".lower().replace("+", "p"))
+
+    def _comm(self) -> fx.Node:
+        if self.comm_node is None:        # created at its first use, so it precedes every use
+            self.comm_node = self.out.get_attr("comm")
+        return self.comm_node
+
+    def _substitute(self, tree: Any, local: dict[fx.Node, fx.Node]) -> Any:
+        def sub(x: Any) -> Any:
+            if isinstance(x, fx.Node):
+                if x in local:
+                    return local[x]
+                if x.name in self.env:
+                    value = self.env[x.name]
+                    return value[0] if isinstance(value, list) else value
+                raise LoweringError(f"argument '{x.name}' of a kernel is not an operand the runtime knows")
+            if isinstance(x, torch.device):
+                return self.device
+            if isinstance(x, _LITERALS) or isinstance(x, (tuple, list, dict)):
+                return x
+            return self._constant(x, "const")
+
+        return pytree.tree_map(sub, tree, is_leaf=lambda x: isinstance(x, (fx.Node, torch.device)))
+
+    def _literal(self, args: Any) -> Any:
+        raise LoweringError(f"getitem with no tensor operand: {args}")
+
+    def _constant(self, value: Any, hint: str) -> fx.Node:
+        """A non-literal kernel argument (a sub-graph, a tensor constant) held by the module."""
+        name = f"_{hint}_{self.n_consts}"
+        self.n_consts += 1
+        setattr(self.root, name, value)
+        return self.out.get_attr(name)
+
+    def _bucketable_params(self) -> dict[str, tuple[int, ...]]:
+        """Parameters whose every use reads the stored layout directly and all-reduces its gradient over
+        the same axes: their gradient is synchronised once after backward, in buckets."""
+        uses: dict[str, set[tuple[int, ...]]] = {}
+        blocked: set[str] = set()
+        for node in self.graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            entry = self.plan.nodes.get(node.name)
+            if entry is None:
+                continue
+            operands = [o for o in self._operand_names(node)]
+            for j, name in enumerate(operands):
+                if name not in self.graph.param_fqn:
+                    continue
+                if (node.name, j) in self.reshards:
+                    blocked.add(name)
+                    continue
+                axes = tuple(sorted({a for c in entry.collectives if c.phase == BWD and c.operand == f"in{j}"
+                                     for a in c.axes if self.comm.mesh_shape[a] > 1}))
+                uses.setdefault(name, set()).add(axes)
+        return {p: next(iter(a)) for p, a in uses.items()
+                if p not in blocked and len(a) == 1 and next(iter(a))}
+
+    def _operand_names(self, node: fx.Node) -> list[str]:
+        strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)
+        return strategies.operand_nodes
+
+
+def _comm_axes(strategy: Strategy, phase: str, operand: str, comm: MeshComm) -> tuple[int, ...]:
+    axes: set[int] = set()
+    for c in strategy.comm:
+        if c.phase == phase and c.operand == operand and c.kind == "all_reduce":
+            axes |= set(c.axes)
+    return comm.live_axes(axes)
+

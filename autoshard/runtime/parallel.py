@@ -1,0 +1,287 @@
+"""``parallelize``: a plan applied to a model on the ranks of a device mesh.
+
+Each rank holds its shards of every parameter and buffer as ``DTensor`` parameters under the
+original FQNs (so ``torch.optim`` optimizers, ``clip_grad_norm_`` and
+``torch.distributed.checkpoint`` work unchanged), and runs the local program that
+:mod:`autoshard.runtime.lower` generates from the plan: the handlers' local kernels with the plan's
+collectives in between. ``pmodel.code`` shows that program.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from ..capture import CapturedGraph, capture
+from ..mesh import MeshError
+from ..plans import Plan, PlanError, PlanMismatchError
+from ..specs import ShardSpec
+from .collectives import CommCounter, MeshComm, shard_input
+from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from .lower import LocalProgram, PlaceholderInfo, lower
+
+__all__ = ["ParallelModule", "PlanDisagreementError", "capture_meta", "example_inputs", "parallelize"]
+
+
+class PlanDisagreementError(PlanError):
+    """Ranks hold different plans, models or meshes (checked before the first step)."""
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
+                input_mode: str = "global", checkpoint: str | None = None,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None) -> "ParallelModule":
+    """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
+
+    ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
+    ``args``/``kwargs``: example inputs to capture the graph with; by default the plan's recorded
+    input shapes are used (meta tensors; nothing is allocated). ``input_mode``: ``"global"`` (call
+    it like the original model with the full batch on every rank; each rank takes its shard) or
+    ``"local"`` (each rank passes its own shard, laid out as the plan's input specs say).
+    ``checkpoint``: a safetensors file or a ``torch.distributed.checkpoint`` directory to read the
+    parameters from, each rank reading only its shards (for a ``model`` built on the meta device).
+    ``bucket_bytes``: size of the gradient all-reduce buckets. ``graph``: the graph the plan was
+    made from, captured on meta (skips capturing again; its fingerprint is still checked).
+    Collective: every rank of the mesh must call it.
+    """
+    return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
+                          checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph)
+
+
+class ParallelModule(nn.Module):
+    """The per-rank parallel model (see :func:`parallelize`).
+
+    Attributes: ``plan``, ``device_mesh``, ``comm`` (this rank's collectives, with ``comm.counter``
+    recording every collective), ``program`` (the generated ``fx.GraphModule``), ``code`` (its
+    Python source), ``graph`` (the captured graph the plan was applied to).
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
+                 kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
+                 checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 graph: CapturedGraph | None = None) -> None:
+        super().__init__()
+        if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
+            raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
+                            f"{'x'.join(map(str, device_mesh.shape))}; plan for this mesh or build the mesh "
+                            f"with autoshard.init_mesh({tuple(plan.mesh_shape)})")
+        self.plan = plan
+        self.device_mesh = device_mesh
+        self.input_mode = input_mode
+        self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) \
+            if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type)
+        graph = graph or _capture_meta(model, plan, args, kwargs)
+        plan.check(graph)
+        _agree_across_ranks(plan, graph, device_mesh)
+        self.graph = graph
+        self.comm = MeshComm(device_mesh, CommCounter())
+        program = lower(graph, plan, self.comm, self.device, input_mode=input_mode)
+        object.__setattr__(self, "program", program.module)   # not a submodule: it holds no state
+        self._placeholders = program.placeholders
+        self._in_spec = graph.exported.call_spec.in_spec
+        self._out_spec = graph.exported.call_spec.out_spec
+        self._user_inputs = [s.arg.name for s in graph.exported.graph_signature.input_specs
+                             if s.kind.name == "USER_INPUT"]
+        self._fqn_names: dict[str, tuple[str, ...]] = {}
+        self._install_state(model, graph, checkpoint)
+        self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
+                                               for p, axes in self._bucketed(program)], bucket_bytes)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None) -> None:
+        """Register every parameter and buffer under all of its original FQNs, as DTensors."""
+        from .state import load_local_shards
+
+        specs = {p.fqn: p.spec for p in self._placeholders if p.kind in ("param", "buffer")}
+        names = {fqn: (fqn,) for fqn in specs}
+        for canonical, all_names in graph.tied_params.items():
+            if canonical in names:
+                names[canonical] = all_names
+        persistent = _persistent_buffers(model)
+        sources = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        locals_ = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
+        for fqn, spec in specs.items():
+            original = sources[fqn]
+            dt = DTensor.from_local(locals_[fqn], self.device_mesh, spec.to_placements(2), run_check=False)
+            for name in names[fqn]:
+                owner, attr = _owner(self, name)
+                if isinstance(original, nn.Parameter):
+                    if name == names[fqn][0]:
+                        param = nn.Parameter(dt, requires_grad=original.requires_grad)
+                    owner.register_parameter(attr, param)
+                else:
+                    owner.register_buffer(attr, dt, persistent=fqn in persistent)
+            self._fqn_names[fqn] = names[fqn]
+
+    def _tensor_of(self, fqn_or_placeholder: str) -> torch.Tensor:
+        owner, attr = _owner(self, fqn_or_placeholder, create=False)
+        return getattr(owner, attr)
+
+    def _bucketed(self, program: LocalProgram) -> Iterator[tuple[str, tuple[int, ...]]]:
+        by_name = {p.name: p for p in self._placeholders}
+        for placeholder, axes in program.bucketed_grads.items():
+            fqn = by_name[placeholder].fqn
+            assert fqn is not None
+            yield fqn, axes
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise TypeError(f"the parallel module was captured for inputs structured as {self._in_spec}, "
+                            f"got {spec}; call it like the original model with the planned inputs")
+        feeds = []
+        user = iter(leaves)
+        for p in self._placeholders:
+            if p.kind == "input":
+                feeds.append(self._input(next(user), p))
+            elif p.kind in ("param", "buffer"):
+                t = self._tensor_of(p.fqn)                       # type: ignore[arg-type]
+                feeds.append(t.to_local() if isinstance(t, nn.Parameter) else t._local_tensor)
+            elif p.kind == "unused":
+                feeds.append(None)
+            else:
+                raise PlanError(f"placeholder '{p.name}' ({p.kind}) is not supported by the runtime yet")
+        out = self.program(*feeds)
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        return pytree.tree_unflatten(out, self._out_spec)
+
+    def _input(self, value: Any, p: PlaceholderInfo) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value if value.device == self.device else value.to(self.device)
+
+    @property
+    def code(self) -> str:
+        """The Python source of this rank's local program."""
+        return self.program.code
+
+    # -- state dicts -----------------------------------------------------------------------------
+
+    def sharded_state_dict(self) -> dict[str, DTensor]:
+        """Original FQNs -> DTensor shards (what ``torch.distributed.checkpoint`` saves and loads)."""
+        return {k: v.detach() if isinstance(v, nn.Parameter) else v
+                for k, v in super().state_dict(keep_vars=True).items()}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
+        sd = super().state_dict(*args, **kwargs)
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
+        own = self.sharded_state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for k, target in own.items():
+                if k not in state_dict:
+                    continue
+                src = state_dict[k]
+                if isinstance(src, DTensor):
+                    src = src.full_tensor()
+                spec = ShardSpec.from_placements(target.placements, target.ndim)
+                target._local_tensor.copy_(shard_input(src.to(self.device), self.comm, spec.dims))
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def extra_repr(self) -> str:
+        return f"plan={self.plan.model_name!r}, mesh={self.plan.mesh}, coord={self.comm.coord}"
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+def _owner(root: nn.Module, fqn: str, create: bool = True) -> tuple[nn.Module, str]:
+    *path, attr = fqn.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            if not create:
+                raise KeyError(f"no module '{part}' on the path to '{fqn}'")
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    return module, attr
+
+
+def _persistent_buffers(model: nn.Module) -> set[str]:
+    out = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name in module._buffers:
+            if name not in module._non_persistent_buffers_set:
+                out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device, allocating nothing (parameters and buffers are
+    replaced by meta tensors in the deep-copy memo)."""
+    memo: dict[int, Any] = {}
+    for t in [t for _, t in model.named_parameters(remove_duplicate=False)] + [t for _, t in model.named_buffers(remove_duplicate=False)]:
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
+                           if isinstance(x, torch.Tensor) else x, tree)
+
+
+def example_inputs(plan: Plan) -> tuple[tuple, dict]:
+    """Meta tensors shaped like the inputs the plan was captured with."""
+    sig = plan.inputs
+    if sig is None:
+        raise PlanError("this plan does not record its input shapes; pass args=/kwargs= (example inputs, meta "
+                        "tensors are fine) to parallelize")
+    leaves = [torch.empty(leaf["shape"], dtype=getattr(torch, leaf["dtype"]), device="meta") if "shape" in leaf
+              else leaf["value"] for leaf in sig["leaves"]]
+    args, kwargs = pytree.tree_unflatten(leaves, pytree.treespec_loads(sig["in_spec"]))
+    return tuple(args), dict(kwargs)
+
+
+def capture_meta(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
+                 name: str | None = None) -> CapturedGraph:
+    """Capture ``model`` on the meta device whatever device its weights and the inputs are on (plans are
+    made and checked against meta captures; nothing is allocated)."""
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    with torch.device("meta"):
+        meta_model = _meta_copy(model)
+    return capture(meta_model, _to_meta(args), _to_meta(dict(kwargs or {})), name=name)
+
+
+def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, Any] | None) -> CapturedGraph:
+    if args is None and kwargs is None:
+        args, kwargs = example_inputs(plan)
+    return capture_meta(model, args, kwargs, name=plan.model_name)
+
+
+def _plan_digest(plan: Plan) -> str:
+    data = {k: v for k, v in plan.to_dict().items() if k not in ("created", "timings")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _agree_across_ranks(plan: Plan, graph: CapturedGraph, device_mesh) -> None:
+    """Every rank must hold the same plan for the same graph on the same mesh; a difference is an
+    error on every rank (never a hang: all ranks reach this exchange)."""
+    mine = {"plan": _plan_digest(plan), "graph": graph.fingerprint(), "mesh": list(device_mesh.shape)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        what = sorted({k for r in differ for k in mine if everyone[r][k] != everyone[0][k]})
+        raise PlanDisagreementError(f"ranks {differ} differ from rank 0 in {', '.join(what)}: every rank must "
+                                    f"load the same plan for the same model (save it once, load it everywhere)")
