@@ -13,7 +13,7 @@ from .strategy import AxisOption, CommAction, MemoryCost, Strategy
 from .plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from .solver.ilp import InfeasibleBudgetError
 from .api import BudgetError, plan
-from .runtime import (CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
+from .runtime import (SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
 
 __version__ = "0.1.0"
@@ -25,5 +25,5 @@ __all__ = [
     "enumerate_strategies", "load_hardware", "reshard_cost", "reshard_plan",
     "BudgetError", "InfeasibleBudgetError", "PLAN_FORMAT_VERSION", "Plan", "PlanError", "PlanMismatchError",
     "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
-    "parallelize", "save_checkpoint",
+    "parallelize", "save_checkpoint", "SavedTensorMeter", "apply_memory_annotations",
 ]
