@@ -55,14 +55,17 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """Two conv/batch-norm/relu blocks, pooling, and a linear classifier."""
+    """Two conv/batch-norm/relu blocks, pooling, and a linear classifier.
+
+    The convolutions have no bias: batch norm subtracts the mean right after, so a bias there has
+    an exactly-zero gradient (only rounding noise, which Adam would amplify into real updates)."""
 
     def __init__(self, channels: int = 8, num_classes: int = 10) -> None:
         super().__init__()
         c = channels
         self.features = nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU(),
+            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c, 2 * c, 3, padding=1, bias=False), nn.BatchNorm2d(2 * c), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * c, num_classes))

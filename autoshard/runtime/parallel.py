@@ -88,7 +88,6 @@ class ParallelModule(nn.Module):
         self._out_spec = graph.exported.call_spec.out_spec
         self._user_inputs = [s.arg.name for s in graph.exported.graph_signature.input_specs
                              if s.kind.name == "USER_INPUT"]
-        self._fqn_names: dict[str, tuple[str, ...]] = {}
         self._install_state(model, graph, checkpoint)
         self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
                                                for p, axes in self._bucketed(program)], bucket_bytes)
@@ -96,30 +95,35 @@ class ParallelModule(nn.Module):
     # -- state -----------------------------------------------------------------------------------
 
     def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None) -> None:
-        """Register every parameter and buffer under all of its original FQNs, as DTensors."""
+        """Register every parameter and buffer under all of its original FQNs, as DTensors, in the
+        original module order (so state-dict keys come in the original order)."""
         from .state import load_local_shards
 
         specs = {p.fqn: p.spec for p in self._placeholders if p.kind in ("param", "buffer")}
-        names = {fqn: (fqn,) for fqn in specs}
-        for canonical, all_names in graph.tied_params.items():
-            if canonical in names:
-                names[canonical] = all_names
-        persistent = _persistent_buffers(model)
+        canonical = {name: fqn for fqn, names in graph.tied_params.items() for name in names}
         sources = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
-        locals_ = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
-        for fqn, spec in specs.items():
-            original = sources[fqn]
-            dt = DTensor.from_local(locals_[fqn], self.device_mesh, spec.to_placements(2), run_check=False)
-            for name in names[fqn]:
-                owner, attr = _owner(self, name)
+        local = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
+        made: dict[str, torch.Tensor] = {}
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            owner = _owner(self, f"{prefix}.x" if prefix else "x")[0]
+            for attr, original in [*module._parameters.items(), *module._buffers.items()]:
+                if original is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                fqn = canonical.get(name, name)
+                if fqn not in specs:
+                    raise PlanError(f"'{name}' of the model is not in the captured graph's inputs; the plan cannot "
+                                    f"place it (was the model changed after planning?)")
+                if fqn not in made:
+                    dt = DTensor.from_local(local[fqn], self.device_mesh, _placements(specs[fqn], original),
+                                            run_check=False)
+                    made[fqn] = nn.Parameter(dt, requires_grad=original.requires_grad) \
+                        if isinstance(original, nn.Parameter) else dt
                 if isinstance(original, nn.Parameter):
-                    if name == names[fqn][0]:
-                        param = nn.Parameter(dt, requires_grad=original.requires_grad)
-                    owner.register_parameter(attr, param)
+                    owner.register_parameter(attr, made[fqn])        # type: ignore[arg-type]
                 else:
-                    owner.register_buffer(attr, dt, persistent=fqn in persistent)
-            self._fqn_names[fqn] = names[fqn]
+                    owner.register_buffer(attr, made[fqn], persistent=attr not in module._non_persistent_buffers_set)
 
     def _tensor_of(self, fqn_or_placeholder: str) -> torch.Tensor:
         owner, attr = _owner(self, fqn_or_placeholder, create=False)
@@ -215,13 +219,8 @@ def _owner(root: nn.Module, fqn: str, create: bool = True) -> tuple[nn.Module, s
     return module, attr
 
 
-def _persistent_buffers(model: nn.Module) -> set[str]:
-    out = set()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name in module._buffers:
-            if name not in module._non_persistent_buffers_set:
-                out.add(f"{prefix}.{name}" if prefix else name)
-    return out
+def _placements(spec: ShardSpec | None, original: torch.Tensor) -> tuple:
+    return (spec or ShardSpec.replicate(original.ndim)).to_placements(2)
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
