@@ -162,7 +162,11 @@ def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, 
         return model_or_graph
     if not isinstance(model_or_graph, nn.Module):
         raise TypeError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}")
-    return capture(model_or_graph, args, kwargs, name=name)
+    # Always on meta, whatever device the model and inputs are on: nothing is allocated, and the
+    # graph is the one the runtime captures (export records slightly different graphs per device).
+    from .runtime.parallel import capture_meta
+
+    return capture_meta(model_or_graph, args, kwargs, name=name)
 
 
 class _Stages:
