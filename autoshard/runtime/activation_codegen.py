@@ -169,10 +169,11 @@ def delegate_unpack(packed: Any) -> torch.Tensor:
 class _HostCopy:
     """Host copy of one saved tensor; gives the device tensor back on :meth:`restore`."""
 
-    __slots__ = ("device", "host", "copied", "prefetched", "prefetch_done", "__weakref__")
+    __slots__ = ("device", "host", "copied", "prefetched", "prefetch_done", "source", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.device = t.device
+        self.source = weakref.ref(t)
         self.prefetched: torch.Tensor | None = None
         self.prefetch_done: torch.cuda.Event | None = None
         self.copied: torch.cuda.Event | None = None
@@ -250,7 +251,9 @@ class HostOffloadHooks:
             return delegate_pack(self._outer, t)
         key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
         host_copy = self._copies.get(key)
-        if host_copy is None:
+        # Once the tensor a copy was made from is freed, its memory (and so the key) can belong to
+        # a new tensor: a copy only stands for tensors saved while its source is alive.
+        if host_copy is None or host_copy.source() is None:
             host_copy = _HostCopy(t)
             self._copies[key] = host_copy
         return host_copy
@@ -595,8 +598,15 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
     return functools.reduce(getattr, target.split("."), root)
 
 
+PARTITION_META = "activation_partition"
+"""On checkpointed nodes (set by the runtime): keep the region's replicated inputs partitioned over
+the mesh (see :mod:`autoshard.runtime.partition`); each region input carries its replicated mesh
+axes in ``meta[PARTITION_AXES_META]``, and the root module holds the mesh ``comm``."""
+PARTITION_AXES_META = "partition_axes"
+
+
 def _clean_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k not in (CHECKPOINT_META, OFFLOAD_META)}
+    return {k: v for k, v in meta.items() if k not in (CHECKPOINT_META, OFFLOAD_META, PARTITION_META)}
 
 
 class _GraphBuilder:
@@ -704,10 +714,19 @@ class _GraphBuilder:
         # Offloading applies to the outermost region: inner regions' inputs are not kept anyway.
         offload = level == 0 and any(_offload_annotation(n) is True for n in region.nodes)
         call_name = region.outputs[0].name if len(region.outputs) == 1 else f"{name}_out"
-        call = self.graph.create_node(
-            "call_function", torch.utils.checkpoint.checkpoint, args, {"use_reentrant": False},
-            name=call_name,
-        )
+        if level == 0 and any(n.meta.get(PARTITION_META) for n in region.nodes):
+            from .partition import partitioned_checkpoint
+
+            self.attrs["comm"] = self.root.comm
+            axes = tuple(tuple(i.meta.get(PARTITION_AXES_META, ())) for i in region.inputs)
+            call = self.graph.create_node(
+                "call_function", partitioned_checkpoint, (fn, self.graph.get_attr("comm"), axes, *args[1:]),
+                name=call_name)
+        else:
+            call = self.graph.create_node(
+                "call_function", torch.utils.checkpoint.checkpoint, args, {"use_reentrant": False},
+                name=call_name,
+            )
         self._bind_outputs(region, call)
         if offload:
             header = f"with torch.autograd.graph.save_on_cpu(pin_memory={self.pin_memory}):"

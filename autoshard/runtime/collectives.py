@@ -96,7 +96,12 @@ class MeshComm:
         # Both axes: the mesh covers the world (init_mesh checks), in row-major rank order, which is
         # the outer-axis-first block order of a dim sharded over (0, 1).
         self._groups[tuple(range(len(self.mesh_shape)))] = dist.group.WORLD
-        self.phase = FWD
+
+    @property
+    def phase(self) -> str:
+        """Phase of a forward collective: 'recompute' when it runs inside backward (a checkpointed
+        region's forward again), else 'fwd'. Gradient collectives say 'bwd' themselves."""
+        return RECOMPUTE if torch._C._current_graph_task_id() != -1 else FWD
 
     # -- DeviceComm ----------------------------------------------------------------------------
 
@@ -142,6 +147,14 @@ class MeshComm:
         self.counter.add("all_gather", (axis,), phase, _nbytes(out))
         dist.all_gather_into_tensor(out, src, group=self.group((axis,)))
         return out.movedim(0, dim)
+
+    def gather_flat(self, piece: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
+        """All-gather equal flat pieces over ``axes`` (block order = shard index): the flat whole."""
+        n = math.prod(self.mesh_shape[a] for a in axes)
+        out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
+        self.counter.add("all_gather", tuple(axes), phase, _nbytes(out))
+        dist.all_gather_into_tensor(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)))
+        return out
 
     def split(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
         return t.chunk(self.mesh_shape[axis], dim)[self.coord[axis]].contiguous()

@@ -35,6 +35,8 @@ from ..opinfo import OpInfo
 from ..plans import Plan, PlanError, ReshardEntry
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy
+from .activation_codegen import (CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META,
+                                 apply_memory_annotations)
 from .collectives import MeshComm, iter_moves
 
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format,
@@ -90,6 +92,7 @@ class _Lowering:
         self.n_consts = 0
         self.cache: dict = {}
         self.bucketed = self._bucketable_params() if bucket_grads else {}
+        self.regions: dict[str, int] = {}      # segment -> region id of its memory decision
 
     # -- driver ----------------------------------------------------------------------------------
 
@@ -99,7 +102,9 @@ class _Lowering:
             if node.op == "placeholder":
                 placeholders.append(self._placeholder(node))
             elif node.op == "call_function":
+                last = self.out._root.prev            # the graph's last node before this one's
                 self._call(node)
+                self._annotate_memory(node, last)
             elif node.op == "output":
                 self._output(node)
             elif node.op == "get_attr":
@@ -108,7 +113,39 @@ class _Lowering:
                 raise LoweringError(f"node '{node.name}' has fx op {node.op!r}, which the runtime cannot run")
         self.out.lint()
         gm = fx.GraphModule(self.root, self.out, class_name="LocalProgram")
+        if self.regions:
+            gm = apply_memory_annotations(gm)
         return LocalProgram(gm, placeholders, dict(self.bucketed))
+
+    # -- memory decisions ------------------------------------------------------------------------
+
+    def _annotate_memory(self, node: fx.Node, last: fx.Node) -> None:
+        """Mark the nodes generated for ``node`` with its segment's memory decision: a checkpoint
+        region (recompute), a partitioned checkpoint region, or a host-offload region."""
+        segment = self._node_plan(node.name).segment
+        decision = self.plan.segments.get(segment or "", "keep")
+        if decision == "keep":
+            return
+        if decision not in ("recompute", "partitioned", "offload"):
+            raise LoweringError(f"segment '{segment}' has memory decision {decision!r}, which this runtime "
+                                f"cannot apply")
+        region = self.regions.setdefault(segment, len(self.regions))
+        new = last.next
+        while new is not self.out._root:
+            if new.op != "get_attr":
+                if decision == "offload":
+                    new.meta[OFFLOAD_META] = [region, True, True]
+                else:
+                    new.meta[CHECKPOINT_META] = region
+                    if decision == "partitioned":
+                        new.meta[PARTITION_META] = True
+            new = new.next
+
+    def _mark(self, new: fx.Node, spec: Any) -> None:
+        """Record on a generated value the mesh axes it is replicated over (partitioned checkpoints)."""
+        if isinstance(spec, ShardSpec):
+            new.meta[PARTITION_AXES_META] = tuple(a for a in range(len(self.comm.mesh_shape))
+                                                  if a not in spec.used_axes() and self.comm.mesh_shape[a] > 1)
 
     # -- placeholders ----------------------------------------------------------------------------
 
@@ -129,6 +166,8 @@ class _Lowering:
             kind, fqn = "input", g.user_input_specs.get(name)
         if kind == "input" and self.input_mode == "global" and spec is not None and not spec.is_replicated():
             new = self.out.call_method("shard_input", (self._comm(), new, spec.dims))
+        if kind == "input":
+            self._mark(new, spec)
         self.env[name] = new
         self.spec_of[name] = spec
         return PlaceholderInfo(name, kind, fqn, spec)
@@ -150,6 +189,7 @@ class _Lowering:
         if node.target is operator.getitem:       # the element itself, already in the input layout
             self.env[node.name] = local[op.operand_nodes[0]] if op.operand_nodes else self._literal(node.args)
             self.spec_of[node.name] = strategy.output_specs[0]
+            self._mark(self.env[node.name], strategy.output_specs[0])
             return
         args, kwargs = self._substitute((kernel.args, kernel.kwargs), local)
         if kernel.uses_comm:
@@ -163,6 +203,8 @@ class _Lowering:
             outs = [self.out.call_function(operator.getitem, (packed, j)) for j in range(len(outs))]
         self.env[node.name] = outs if is_tuple else outs[0]
         self.spec_of[node.name] = list(strategy.output_specs)
+        for out, spec in zip(outs, strategy.output_specs):
+            self._mark(out, spec)
 
     def _outputs(self, op: OpInfo, strategy: Strategy, result: fx.Node, is_tuple: bool) -> list[fx.Node]:
         """Per-output nodes (elements of a tuple result), with the partial outputs all-reduced."""
