@@ -97,3 +97,60 @@ def test_restrictions_are_honoured(gpt2_small_layers):
     for n in params:
         assert cg.nodes[n].strategies[sol.choice[n]].output_specs[0].is_replicated()
     assert sol.objective >= solve(cg).objective * (1 - 1e-9)
+
+
+def _fix_assignment(m, handles, choice, decisions):
+    """Pin every strategy variable and decision count of a built model to one assignment."""
+    from autoshard.solver.ilp import _value
+    for key, xs in m.x.items():
+        node = next(n for n, k in m.group_of.items() if k == key)
+        for s, v in enumerate(xs):
+            if not isinstance(v, int):
+                v.lowBound = v.upBound = float(s == choice[node])
+    for names, counts in handles["classes"]:
+        for k, v in counts.items():
+            if not isinstance(v, int):
+                v.lowBound = v.upBound = sum(decisions[n] == k for n in names)
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_formulation_is_exact_at_random_assignments(alias):
+    """Every (strategies, decisions) point is feasible in the model exactly when its predicted peak
+    fits the budget, at the predicted step time: the count/product linearisation and the working-set
+    cuts neither misprice nor cut off any plan."""
+    import random
+    import pulp
+    from autoshard.solver.ilp import DECISIONS, M, T, _build, _value
+    cg = _cost_graph("gpt2-tiny", (2, 2), alias=alias, num_layers=3, batch=8, seq=32)
+    rng = random.Random(0)
+    segments = [s for s in (cg.nodes[n].segment for n in cg.nodes) if s is not None]
+    for trial in range(6):
+        choice = {}
+        for g in cg.variable_groups():
+            s = rng.randrange(len(cg.nodes[g.nodes[0]]))
+            choice.update({n: s for n in g.nodes})
+        decisions = {seg: rng.choice(DECISIONS if trial else ("keep",)) for seg in dict.fromkeys(segments)}
+        t, mem = predict(cg, choice, decisions, SolverOptions())
+        for slack, feasible in ((1 + 1e-6, True), (0.99, False)):   # 1% of ~1.5 MB: above the tolerance
+            m, handles = _build(cg, SolverOptions(memory_budget=mem.peak * slack))
+            _fix_assignment(m, handles, choice, decisions)
+            m.prob.solve(pulp.HiGHS(msg=False))
+            assert (pulp.LpStatus[m.prob.status] == "Optimal") == feasible, (trial, decisions)
+            if feasible:
+                assert _value(m.prob.objective) / T == pytest.approx(t.total, rel=1e-6)
+                assert _value(handles["peak"]) * M == pytest.approx(mem.peak, rel=1e-6)
+
+
+def test_counts_readout_matches_the_objective():
+    """Aliased blocks share one count per decision; the decisions read out of the counts price
+    and fit exactly as the solver said."""
+    cg = _cost_graph("gpt2-tiny", (2, 2), num_layers=4, batch=8, seq=32)
+    need, _ = minimum_budget(cg)
+    free = solve(cg)
+    sol = solve(cg, SolverOptions(memory_budget=need + 0.7 * (free.memory.peak - need)))
+    assert sol.status == "optimal"
+    assert set(sol.decisions) == {n.segment for n in cg.nodes.values() if n.segment is not None}
+    assert len(set(sol.decisions.values())) > 1           # a class of identical blocks split its decisions
+    t, mem = predict(cg, sol.choice, sol.decisions, SolverOptions())
+    assert t.total == pytest.approx(sol.objective, rel=1e-6)
+    assert mem.peak <= (need + 0.7 * (free.memory.peak - need)) * (1 + 1e-6)

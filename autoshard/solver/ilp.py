@@ -5,8 +5,13 @@ Variables
   y[e, a, b]   continuous in [0, 1] on the distinct-spec grid of an edge group: the product of the
                producer choosing output spec a and the consumer input spec b (the marginals tie it
                to x, and for one-hot x the only feasible y is that product)
-  d[seg, k]    binary, one-hot per segment over the memory decisions
-               keep / recompute / offload / partitioned
+  n[c, k]      integer in [0, |c|] per class c of identical segments (same decision groups and
+               checkpoint edges, so the same costs for every x; without aliasing each segment is its
+               own class and n is binary): how many of its segments take memory decision k, over
+               keep / recompute / offload / partitioned, summing to |c|. Which segments of a class
+               take which decision cannot change cost or memory, so counts replace per-segment
+               binaries and remove that symmetry altogether (readout hands the decisions out along
+               the block sequence in DECISIONS order).
 Objective (seconds per training step): node compute + collectives, resharding on edges,
   recomputation (the segment's forward again), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
@@ -15,9 +20,17 @@ Memory (bytes per device, at the start of backward): parameters + gradients + op
   input if recomputed (1/n of it if partitioned over the n devices holding copies), nothing if
   offloaded, + the working set of the largest segment that is recomputed or offloaded.
 
-Products of a binary decision with a linear expression E (0 <= E <= U) are linearised exactly by
-a variable z >= E - U (1 - b), z >= 0: z only appears with a positive coefficient in a minimised
-objective or on the left of a <= constraint, so it settles at b * E.
+Products of a count n (integer in [0, N]) with a linear function of the strategy choices
+E = sum_g sum_s c[g, s] x[g, s] are linearised per decision group, in disaggregated form:
+K[g, s] = n * x[g, s] with sum_s K[g, s] = n and 0 <= K[g, s] <= N x[g, s], so n * E =
+sum c[g, s] K[g, s]. At integer points K is unique (exact whatever the sign of the term), and per
+group it is the convex hull of the product. The earlier big-M form z >= E - U (1 - b) let a
+fractional b shed most of E in the LP relaxation (root gaps of ~12% under tight budgets, 20 s
+solves for Llama-70B at 80 GiB).
+
+The working set is a max over non-kept segments: working >= u_c * saved_c per class (u_c: some
+segment of c is not kept), plus the designated-segment inequality of _designated_working_set,
+which makes the LP pay for whole segments once the budget rules out keeping every segment.
 
 Units inside the ILP are microseconds and GiB, so that coefficients stay within a few orders of
 magnitude of 1 (byte-valued big-M rows next to binaries make HiGHS report false infeasibility);
@@ -167,38 +180,6 @@ class _Model:
             return pulp.LpAffineExpression(constant=float(values[0]))
         return pulp.LpAffineExpression([(v, float(c)) for v, c in zip(xs, values) if c != 0.0])
 
-    def product(self, b, expr: pulp.LpAffineExpression, bounds: tuple[float, float], name: str = "z"):
-        """A variable equal to b * expr at the optimum (see module docstring), for lower <= expr <= upper.
-
-        ``z >= lower * b`` is implied at integer points but tightens the LP relaxation a lot: without
-        it a fractional b below 1 - expr/upper makes z free of cost.
-        """
-        lower, upper = bounds
-        z = self.var(name=name)
-        if upper > 0:
-            self.prob += z >= expr - upper * (1 - b)
-        if lower > 0:
-            self.prob += z >= lower * b
-        return z
-
-
-def _lower(values: np.ndarray) -> float:
-    return float(np.min(values)) if len(values) else 0.0
-
-
-def _upper(values: np.ndarray) -> float:
-    return float(np.max(values)) if len(values) else 0.0
-
-
-def _bounds(values: np.ndarray) -> np.ndarray:
-    return np.array([_lower(values), _upper(values)])
-
-
-def _sum_bounds(arrays: Iterable[np.ndarray]) -> tuple[float, float]:
-    """Bounds of a sum of one-hot choices: the sums of the minima and of the maxima."""
-    total = sum((_bounds(a) for a in arrays), np.zeros(2))
-    return float(total[0]), float(total[1])
-
 
 # -- the formulation ------------------------------------------------------------------------------------
 
@@ -306,13 +287,36 @@ def replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
     return tuple(a for a in range(len(mesh_shape)) if a not in spec.used_axes() and mesh_shape[a] > 1)
 
 
-def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffineExpression, dict]:
-    """Add memory expressions and segment decisions; returns (peak memory expr, handles for readout)."""
+def _memory_and_recompute(m: _Model, objective_terms: list,
+                          budget: float | None) -> tuple[pulp.LpAffineExpression, dict]:
+    """Add memory expressions and segment decisions; returns (peak memory expr, handles for readout).
+
+    ``budget`` (bytes) is the bound the caller puts on the peak, or None when it puts none; it only
+    serves to prove that some segment cannot be kept (see :func:`_designated_working_set`)."""
+    static, nonseg_act = _static_and_unsegmented_memory(m)
+    allowed = [m.options.fixed_decision] if m.options.fixed_decision else [d for d in DECISIONS
+                                                                            if d in m.options.decisions]
+    working = m.var(name="W")
+    keep_all = static + nonseg_act           # the memory of keeping every segment
+    seg_act, classes, not_kept = [], [], []
+    for segs in _segment_classes(m, memory_segments(m.cg)):
+        counts, memory, time_terms, nk, saved = _class_decisions(m, segs, allowed, working)
+        seg_act += memory
+        objective_terms += time_terms
+        classes.append(([s.name for s in segs], counts))
+        keep_all = keep_all + saved.scaled(len(segs))
+        if nk is not None:
+            not_kept.append(nk)
+    must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
+    _designated_working_set(m, not_kept, working, must_drop)
+    peak = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act) + working
+    return peak, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m)}
+
+
+def _static_and_unsegmented_memory(m: _Model) -> tuple["_Form", "_Form"]:
+    """Parameters + gradients + optimizer state, and activations saved outside segments (GiB)."""
     cg, opts = m.cg, m.options
-    mesh_shape = cg.mesh.shape
-    hw = cg.hardware
-    static = []
-    nonseg_act = []
+    static, nonseg_act = _Form(), _Form()
     for g in cg.variable_groups():
         node = cg.nodes[g.nodes[0]]
         c = node.costs
@@ -321,102 +325,92 @@ def _memory_and_recompute(m: _Model, objective_terms: list) -> tuple[pulp.LpAffi
             item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
             opt_state = c.params / item * opts.optimizer_bytes_per_param
         if np.any(c.params + c.grads + opt_state):
-            static.append(g.count * m.choice_expr(node.name, (c.params + c.grads + opt_state) / M))
+            static.add(g.key, g.count * (c.params + c.grads + opt_state) / M)
         if node.segment is None and np.any(c.saved):
-            nonseg_act.append(g.count * m.choice_expr(node.name, c.saved / M))
-    segments = memory_segments(cg)
-    allowed = [opts.fixed_decision] if opts.fixed_decision else [d for d in DECISIONS if d in opts.decisions]
-    working = m.var(name="W")
-    seg_act, handles = [], {"segments": {}, "working": working}
-    classes: dict[tuple, list] = {}
-    shared: dict[tuple, _SegmentTerms] = {}
-    for seg in segments:
-        key = _segment_class(m, seg)
-        if key not in shared:
-            shared[key] = _segment_terms(m, seg)
-        st = shared[key]
-        A, F, B = st.saved, st.fwd, st.bwd
-        d = {k: m.var(0, 1, pulp.LpBinary, name=f"d_{k}_") for k in allowed}
-        m.prob += pulp.lpSum(d.values()) == 1
-        keep = d.get("keep", 0)
-        seg_act.append(m.product(keep, A, st.saved_b, "keep"))
-        if st.saved_b[1] > 0:   # working set: the largest segment that is not kept is rebuilt/brought back
-            m.prob += working >= A - st.saved_b[1] * keep
-            m.prob += working >= st.saved_b[0] * (1 - keep)
-        if "recompute" in d:
-            seg_act.append(m.product(d["recompute"], st.ckpt, st.ckpt_b, "ck"))
-            objective_terms.append(m.product(d["recompute"], F, st.fwd_b, "rec"))
-        if "partitioned" in d:
-            seg_act.append(m.product(d["partitioned"], st.ckpt_part, st.ckpt_part_b, "ckp"))
-            objective_terms.append(m.product(d["partitioned"], F + st.gather,
-                                             (st.fwd_b[0] + st.gather_b[0], st.fwd_b[1] + st.gather_b[1]), "recp"))
-        if "offload" in d:
-            per_gib = M / hw.host_device_bandwidth * T     # microseconds to move one GiB
-            for phase_compute in (F, B):   # device->host in forward, host->device in backward
-                exposed = m.var(name="off")
-                m.prob += exposed >= per_gib * A - phase_compute - per_gib * st.saved_b[1] * (1 - d["offload"])
-                objective_terms.append(exposed)
-        handles["segments"][seg.name] = d
-        _order_identical_segments(m, seg, d, allowed, classes)
-    peak = pulp.lpSum(static) + pulp.lpSum(nonseg_act) + pulp.lpSum(seg_act) + working
-    handles["static"] = pulp.lpSum(static)
-    return peak, handles
+            nonseg_act.add(g.key, g.count * c.saved / M)
+    return static, nonseg_act
 
 
 @dataclass
-class _SegmentTerms:
-    """Linear quantities of a segment (ILP units), each held by one variable shared by every
-    segment of the same class, with its upper bound for the exact products."""
+class _Form:
+    """A linear function of the strategy choices, ``constant + sum_g sum_s coef[g][s] * x[g, s]``,
+    kept per decision group so that its product with a decision count can be linearised group by
+    group (see :func:`_products`)."""
 
-    saved: object
-    saved_b: tuple[float, float]
-    fwd: object
-    fwd_b: tuple[float, float]
-    bwd: object
-    ckpt: object
-    ckpt_b: tuple[float, float]
-    ckpt_part: object
-    ckpt_part_b: tuple[float, float]
-    gather: object
-    gather_b: tuple[float, float]
+    constant: float = 0.0
+    coef: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add(self, group: str, values: np.ndarray) -> None:
+        if len(values) == 1:                      # a group with one strategy: a constant
+            self.constant += float(values[0])
+            return
+        values = np.asarray(values, dtype=float)
+        self.coef[group] = values if group not in self.coef else self.coef[group] + values
+
+    def __add__(self, other: "_Form") -> "_Form":
+        out = _Form(self.constant, dict(self.coef))
+        for g, v in other.coef.items():
+            out.add(g, v)
+        out.constant += other.constant
+        return out
+
+    def scaled(self, factor: float) -> "_Form":
+        return _Form(self.constant * factor, {g: v * factor for g, v in self.coef.items()})
+
+    def upper(self) -> float:
+        return self.constant + sum(float(np.max(v)) for v in self.coef.values())
+
+    def lower(self, m: _Model) -> float:
+        """The minimum over the strategies each group may still take (restrictions excluded)."""
+        return self.constant + sum(min(float(c) for x, c in zip(m.x[g], v) if x.upBound != 0)
+                                   for g, v in self.coef.items())
+
+    def expr(self, m: _Model) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression([(x, float(c)) for g, v in self.coef.items()
+                                        for x, c in zip(m.x[g], v) if c != 0.0], constant=self.constant)
 
 
-def _segment_terms(m: _Model, seg: MemorySegment) -> _SegmentTerms:
-    """Saved activations (GiB), forward/backward time (us), checkpoint size in full and
-    partitioned form (GiB) and the all-gather time of a partitioned checkpoint (us)."""
+@dataclass
+class _SegmentForms:
+    """A segment's linear quantities (ILP units): saved activations, forward (recompute) and
+    backward compute time, its checkpoint in full and partitioned form, and the all-gather time of
+    a partitioned checkpoint."""
+
+    saved: _Form
+    fwd: _Form
+    bwd: _Form
+    ckpt: _Form
+    ckpt_part: _Form
+    gather: _Form
+
+
+def _segment_forms(m: _Model, seg: MemorySegment) -> _SegmentForms:
     cg, mesh_shape, hw = m.cg, m.cg.mesh.shape, m.cg.hardware
-    costs = [cg.nodes[n].costs for n in seg.nodes]
-    ck_full, ck_part, ck_gather = [], [], []
-    ck_b, ck_part_b, gather_b = np.zeros(2), np.zeros(2), np.zeros(2)
+    f = _SegmentForms(*(_Form() for _ in range(6)))
+    for n in seg.nodes:
+        c, g = cg.nodes[n].costs, m.group_of[n]
+        f.saved.add(g, c.saved / M)
+        f.fwd.add(g, _forward_time(c) * T)
+        f.bwd.add(g, c.compute_bwd * T)
     for e in seg.ckpt_edges:
         full_bytes = _spec_bytes(e, mesh_shape)
         axes = [replicated_axes(s, mesh_shape) for s in e.src_specs]
         full = full_bytes / M
         part = full / np.array([math.prod(mesh_shape[a] for a in ax) for ax in axes], dtype=float)
         gather = T * np.array([collective_cost("all_gather", b, ax, mesh_shape, hw) for b, ax in zip(full_bytes, axes)])
-        marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
-        ck_full.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(full)))
-        ck_part.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(part)))
-        ck_gather.append(pulp.lpSum(float(v) * marg[a] for a, v in enumerate(gather)))
-        ck_b += _bounds(full)
-        ck_part_b += _bounds(part)
-        gather_b += _bounds(gather)
+        g, index = m.group_of[e.src], np.asarray(e.src_index)   # per distinct spec -> per strategy
+        f.ckpt.add(g, full[index])
+        f.ckpt_part.add(g, part[index])
+        f.gather.add(g, gather[index])
+    return f
 
-    def held(expr) -> object:
-        v = m.var(name="seg")
-        m.prob += v == expr
-        return v
 
-    return _SegmentTerms(
-        saved=held(pulp.lpSum(m.choice_expr(n, c.saved / M) for n, c in zip(seg.nodes, costs))),
-        saved_b=_sum_bounds(c.saved / M for c in costs),
-        fwd=held(pulp.lpSum(m.choice_expr(n, _forward_time(c) * T) for n, c in zip(seg.nodes, costs))),
-        fwd_b=_sum_bounds(_forward_time(c) * T for c in costs),
-        bwd=held(pulp.lpSum(m.choice_expr(n, c.compute_bwd * T) for n, c in zip(seg.nodes, costs))),
-        ckpt=held(pulp.lpSum(ck_full)), ckpt_b=tuple(ck_b),
-        ckpt_part=held(pulp.lpSum(ck_part)), ckpt_part_b=tuple(ck_part_b),
-        gather=held(pulp.lpSum(ck_gather)), gather_b=tuple(gather_b),
-    )
+def _segment_classes(m: _Model, segments: list[MemorySegment]) -> list[list[MemorySegment]]:
+    """Segments grouped by :func:`_segment_class`, each group in block order."""
+    classes: dict[tuple, list[MemorySegment]] = {}
+    for seg in segments:
+        classes.setdefault(_segment_class(m, seg), []).append(seg)
+    return list(classes.values())
 
 
 def _segment_class(m: _Model, seg: MemorySegment) -> tuple:
@@ -427,18 +421,134 @@ def _segment_class(m: _Model, seg: MemorySegment) -> tuple:
     return nodes, ckpt
 
 
-def _order_identical_segments(m: _Model, seg: MemorySegment, d: dict, allowed: list[str], classes: dict) -> None:
-    """Symmetry breaking: identical segments take their decisions in a fixed order (rank is
-    non-decreasing along the block sequence). Any permutation of decisions among identical
-    segments has the same objective and memory, so this removes no objective value."""
-    key = _segment_class(m, seg)
-    rank = pulp.lpSum(i * d[k] for i, k in enumerate(allowed))
-    previous = classes.get(key)
-    if previous is not None:
-        m.prob += previous[-1] <= rank
-        previous.append(rank)
-    else:
-        classes[key] = [rank]
+def _decision_counts(m: _Model, n: int, allowed: list[str]) -> dict[str, object]:
+    """How many of a class's ``n`` segments take each decision: integers summing to ``n`` (binaries
+    when n == 1), or the constant ``n`` when only one decision is allowed."""
+    if len(allowed) == 1:
+        return {allowed[0]: n}
+    cat = pulp.LpBinary if n == 1 else pulp.LpInteger
+    counts = {k: m.var(0, n, cat, name=f"n_{k}_") for k in allowed}
+    m.prob += pulp.lpSum(counts.values()) == n
+    return counts
+
+
+def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
+                     working) -> tuple[dict, list, list, tuple | None, "_Form"]:
+    """Decision counts of one class of identical segments, with their memory (GiB) and time (us)
+    terms. Also bounds the working set ``working`` by the class's saved activations when any of its
+    segments is not kept, and returns (u, saved): the 0/1 indicator 'some segment of the class is
+    not kept' and the saved-activation form, or None when the class never sets the working set;
+    last, the saved-activation form of one segment."""
+    n, f = len(segs), _segment_forms(m, segs[0])
+    counts = _decision_counts(m, n, allowed)
+    memory, time_terms = [], []
+    keep_saved = None
+    if "keep" in counts:
+        (keep_saved,) = _products(m, counts["keep"], n, [f.saved])
+        memory.append(keep_saved)
+    if "recompute" in counts:
+        ckpt, rec = _products(m, counts["recompute"], n, [f.ckpt, f.fwd])
+        memory.append(ckpt)
+        time_terms.append(rec)
+    if "partitioned" in counts:
+        ckpt, rec = _products(m, counts["partitioned"], n, [f.ckpt_part, f.fwd + f.gather])
+        memory.append(ckpt)
+        time_terms.append(rec)
+    if "offload" in counts:
+        per_gib = M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one GiB
+        saved, fwd, bwd = _products(m, counts["offload"], n, [f.saved, f.fwd, f.bwd])
+        for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
+            exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
+            m.prob += exposed >= per_gib * saved - phase_compute
+            time_terms.append(exposed)
+    if f.saved.upper() <= 0 or set(counts) == {"keep"}:
+        return counts, memory, time_terms, None, f.saved
+    u = _not_kept_indicator(m, counts, n)
+    m.prob += working >= _class_working_set(m, u, f.saved, keep_saved)
+    return counts, memory, time_terms, (u, f.saved), f.saved
+
+
+def _not_kept_indicator(m: _Model, counts: dict, n: int):
+    """1 if some segment of the class is not kept: the constant 1 when keep is not allowed,
+    ``1 - keep`` for a single segment, else a binary ``u`` (u = 0 forces all kept)."""
+    if "keep" not in counts:
+        return 1
+    if n == 1:
+        return 1 - counts["keep"]
+    u = m.var(0, 1, pulp.LpBinary, name="u")
+    m.prob += pulp.lpSum(v for k, v in counts.items() if k != "keep") <= n * u
+    return u
+
+
+def _class_working_set(m: _Model, u, saved: _Form, keep_saved) -> pulp.LpAffineExpression:
+    """``u * saved``, with u from :func:`_not_kept_indicator`."""
+    if isinstance(u, pulp.LpVariable):
+        (u_saved,) = _products(m, u, 1, [saved])
+        return u_saved
+    if keep_saved is None:                  # keep not allowed: u = 1
+        return saved.expr(m)
+    return saved.expr(m) - keep_saved       # one segment: u = 1 - keep, and keep * saved is at hand
+
+
+def _designated_working_set(m: _Model, not_kept: list[tuple], working, must_drop: bool) -> None:
+    """A valid inequality that the per-class bounds ``working >= u_c * saved_c`` miss in the LP.
+
+    The LP relaxation spreads a fractional 'not kept' over all segments (keep = 0.46 on each of 12
+    blocks), so every ``u_c * saved_c`` and hence the working set is about half a block while any
+    integer plan that recomputes pays a whole one. Here ``z`` says 'some segment is not kept' and
+    weights ``w_c`` (0 <= w_c <= u_c, sum w_c = z) designate the class whose saved activations
+    bound the working set: ``working >= sum_c w_c * saved_c``. At integer points this is at most
+    the max of the per-class bounds (w can pick any one non-kept class), so it removes no plan.
+    ``must_drop`` (keeping every segment cannot fit the budget, by the per-group minima) fixes
+    z = 1, and the LP must then pay a convex combination of whole segments instead of fractions
+    of them (HiGHS's probing does not find this: the memory row sees the products, not x).
+    """
+    if not not_kept or (len(not_kept) == 1 and not must_drop):
+        return
+    z = 1 if must_drop else m.var(0, 1, pulp.LpBinary, name="z")
+    weights, bound = [], []
+    for u, saved in not_kept:
+        w = m.var(0, 1, name="w")
+        m.prob += w <= u
+        if not must_drop:
+            m.prob += z >= u
+        weights.append(w)
+        bound += _products(m, w, 1, [saved])
+    m.prob += pulp.lpSum(weights) == z
+    m.prob += working >= pulp.lpSum(bound)
+
+
+def _products(m: _Model, mult, scale: int, forms: list[_Form]) -> list[pulp.LpAffineExpression]:
+    """``mult * form`` for each form, exactly, where ``mult`` is an integer variable in [0, scale]
+    (or a constant) and each form a linear function of one-hot strategy choices.
+
+    Per decision group g the product ``mult * x[g, s]`` is a variable K[g, s] with
+    ``sum_s K[g, s] = mult`` and ``0 <= K[g, s] <= scale * x[g, s]``: at integer points only the
+    chosen strategy's K is non-zero and it equals mult, and for each group this is the convex hull
+    of the product (the big-M form ``z >= E - U (1 - b)`` lets a fractional b drop most of E in the
+    LP relaxation, which left a ~12% root gap). Strategies with equal coefficients in every form
+    share one K (their x summed), so K only tells apart what the forms can.
+    """
+    if not isinstance(mult, pulp.LpVariable):
+        return [mult * f.expr(m) for f in forms]
+    out = [f.constant * mult for f in forms]
+    for g in sorted(set().union(*(f.coef for f in forms))):
+        xs = m.x[g]
+        mat = np.stack([f.coef.get(g, np.zeros(len(xs))) for f in forms])
+        low = mat.min(axis=1)
+        for i, c in enumerate(low):
+            out[i] += float(c) * mult
+        mat = mat - low[:, None]
+        if not mat.any():
+            continue
+        columns, bucket = np.unique(mat.T, axis=0, return_inverse=True)
+        ks = [m.var(0, scale, name="K") for _ in columns]
+        m.prob += pulp.lpSum(ks) == mult
+        for b, k in enumerate(ks):
+            m.prob += k <= scale * pulp.lpSum(xs[s] for s in np.flatnonzero(bucket.ravel() == b))
+        for i in range(len(forms)):
+            out[i] += pulp.lpSum(float(c) * k for c, k in zip(columns[:, i], ks) if c != 0.0)
+    return out
 
 
 def _pulp_solver(options: SolverOptions, msg: bool = False):
@@ -461,13 +571,7 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
     node of an alias group applies to the whole group.
     """
     t0 = time.perf_counter()
-    m = _Model(cg, options, allowed=allowed)
-    objective_terms = _node_time_terms(m)
-    objective_terms += _edge_time_terms(m)
-    peak, handles = _memory_and_recompute(m, objective_terms)
-    m.prob += pulp.lpSum(objective_terms)
-    if options.memory_budget is not None:
-        m.prob += peak <= float(options.memory_budget) / M
+    m, handles = _build(cg, options, allowed)
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     m.prob.solve(_pulp_solver(options))
@@ -479,6 +583,20 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
         raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
                            "try a longer time_limit or solver='cbc'")
     return _readout(m, handles, status, build, solve_s)
+
+
+def _build(cg: CostGraph, options: SolverOptions,
+           allowed: dict[str, Iterable[int]] | None = None) -> tuple[_Model, dict]:
+    """The full model: step-time objective, and the peak-memory row when there is a budget."""
+    m = _Model(cg, options, allowed=allowed)
+    objective_terms = _node_time_terms(m)
+    objective_terms += _edge_time_terms(m)
+    peak, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
+    m.prob += pulp.lpSum(objective_terms)
+    if options.memory_budget is not None:
+        m.prob += peak <= float(options.memory_budget) / M
+    handles["peak"] = peak
+    return m, handles
 
 
 def _status(prob: pulp.LpProblem) -> str:
@@ -495,7 +613,7 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
                    allowed: dict[str, Iterable[int]] | None = None) -> tuple[float, MemoryPrediction]:
     """The smallest per-device peak any plan reaches under ``options`` and ``allowed``."""
     m = _Model(cg, options, allowed=allowed)
-    peak, handles = _memory_and_recompute(m, [])
+    peak, handles = _memory_and_recompute(m, [], budget=None)   # no budget row here
     m.prob += peak
     m.prob.solve(_pulp_solver(options))
     sol = _readout(m, handles, _status(m.prob), 0.0, 0.0)
@@ -529,10 +647,22 @@ def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float
                 for node in g.nodes:
                     choice[node] = idx
                 break
-    decisions = {seg: max(d, key=lambda k: _value(d[k])) for seg, d in handles["segments"].items()}
+    decisions = _read_decisions(handles)
     time_pred, mem = predict(cg, choice, decisions, m.options)
     return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective) / T, build, solve_s,
                     m.prob.numVariables(), m.prob.numConstraints(), m.options.solver, bound=_dual_bound(m.prob))
+
+
+def _read_decisions(handles: dict) -> dict[str, str]:
+    """Segment -> decision from the per-class counts: within a class (identical segments, so any
+    order has the same cost) the decisions go along the block sequence in ``DECISIONS`` order."""
+    decisions: dict[str, str] = {}
+    for names, counts in handles["classes"]:
+        seq = [k for k in handles["allowed"] if k in counts for _ in range(round(_value(counts[k])))]
+        if len(seq) != len(names):
+            raise RuntimeError(f"decision counts {seq} do not cover the {len(names)} segments {names}")
+        decisions.update(zip(names, seq))
+    return decisions
 
 
 def _dual_bound(prob: pulp.LpProblem) -> float | None:
