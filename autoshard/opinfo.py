@@ -226,8 +226,36 @@ def _measure(key: _ProfileKey) -> OpProfile:
             torch.autograd.grad(grad_outputs, grad_inputs, [torch.ones_like(t) for t in grad_outputs],
                                 allow_unused=True)
         bwd_flops = float(bwd_counter.get_total_flops())
+    if op.target is torch.ops.aten.scaled_dot_product_attention.default:
+        saved, outs = _fused_attention_saved(args, kwargs, saved, outs)
     return OpProfile(float(fwd_counter.get_total_flops()), bwd_flops,
                      tuple(_classify_saved(saved, inputs, outs)))
+
+
+def _fused_attention_saved(args: tuple, kwargs: dict, saved: list[torch.Tensor], outs: list[torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What a fused SDPA kernel keeps for backward: q, k, v, the mask, the output and the row
+    log-sum-exp (CPU flash attention; CUDA flash/efficient kernels keep the same). On meta tensors
+    ``scaled_dot_product_attention`` takes the math path, which keeps the full attention matrix
+    instead; devices run the fused kernel whenever it accepts the arguments, so profile that one.
+    Arguments the fused kernel refuses (it raises) leave the math path's saved tensors, as on a device."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    a = {**dict(zip(names, args)), **kwargs}
+    if a.get("enable_gqa"):
+        return saved, outs
+    mask = a.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        # scaled_dot_product_attention hands the kernel an additive mask in the query's dtype
+        mask = torch.empty(mask.shape, dtype=a["query"].dtype, device="meta")
+    fused: list[torch.Tensor] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: fused.append(t) or t, lambda t: t):
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                a["query"], a["key"], a["value"], float(a.get("dropout_p", 0.0)), bool(a.get("is_causal", False)),
+                attn_mask=mask, scale=a.get("scale"))
+    except RuntimeError:        # e.g. a mask dtype or shape the fused kernel does not take
+        return saved, outs
+    return fused, [out]
 
 
 def _profile_arg(x: Any, by_node: dict) -> Any:
@@ -263,7 +291,8 @@ def _classify_saved(saved: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor
     result: list[SavedTensor] = []
     seen: set[tuple[str, int]] = set()
     for t in saved:
-        src = _match(t, inputs, "input") or _match(t, outs, "output")
+        src = (_same(t, inputs, "input") or _same(t, outs, "output")
+               or _match(t, inputs, "input") or _match(t, outs, "output"))
         if src is None:
             result.append(SavedTensor("other", -1, t.numel() * t.element_size()))
         elif src not in seen:          # a tensor saved twice (or as a view) is stored once
@@ -272,12 +301,18 @@ def _classify_saved(saved: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor
     return result
 
 
-def _match(t: torch.Tensor, candidates: Sequence[torch.Tensor], kind: str) -> tuple[str, int] | None:
+def _same(t: torch.Tensor, candidates: Sequence[torch.Tensor], kind: str) -> tuple[str, int] | None:
+    """The candidate ``t`` is, or is a view of (identity: meta tensors share no storage)."""
     base = t._base if t._base is not None else t
     for i, c in enumerate(candidates):
         if t is c or base is c or (c._base is not None and base is c._base):
             return (kind, i)
-    for i, c in enumerate(candidates):  # views of operands re-created by the op (e.g. W.t())
+    return None
+
+
+def _match(t: torch.Tensor, candidates: Sequence[torch.Tensor], kind: str) -> tuple[str, int] | None:
+    """A candidate of the same size and dtype: views of operands re-created by the op (``W.t()``)."""
+    for i, c in enumerate(candidates):
         if t.numel() == c.numel() and t.dtype == c.dtype:
             return (kind, i)
     return None

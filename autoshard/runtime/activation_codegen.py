@@ -115,10 +115,16 @@ def _offload_stream(device: torch.device) -> torch.cuda.Stream:
     return _OFFLOAD_STREAMS[device]
 
 
+PARAMETER_FLAG = "_autoshard_parameter"
+"""Attribute set on tensors that stand for parameters without being ``nn.Parameter`` (the local
+shards the parallel runtime feeds its program): offload leaves them, like parameters, in place."""
+
+
 def is_parameter_like(t: torch.Tensor) -> bool:
-    """True for an ``nn.Parameter`` or a view of one (autograd saves ``weight.t()`` for linear)."""
+    """True for an ``nn.Parameter``, a tensor flagged with :data:`PARAMETER_FLAG`, or a view of
+    either (autograd saves ``weight.t()`` for linear)."""
     base = t._base if t._base is not None else t
-    return isinstance(base, nn.Parameter)
+    return isinstance(base, nn.Parameter) or getattr(base, PARAMETER_FLAG, False) or getattr(t, PARAMETER_FLAG, False)
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

@@ -23,6 +23,7 @@ from ..capture import CapturedGraph, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
+from .activation_codegen import PARAMETER_FLAG
 from .collectives import CommCounter, MeshComm, shard_input
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .lower import LocalProgram, PlaceholderInfo, lower
@@ -150,7 +151,7 @@ class ParallelModule(nn.Module):
                 feeds.append(self._input(next(user), p))
             elif p.kind in ("param", "buffer"):
                 t = self._tensor_of(p.fqn)                       # type: ignore[arg-type]
-                feeds.append(t.to_local() if isinstance(t, nn.Parameter) else t._local_tensor)
+                feeds.append(_local_param(t) if isinstance(t, nn.Parameter) else t._local_tensor)
             elif p.kind == "unused":
                 feeds.append(None)
             else:
@@ -217,6 +218,15 @@ def _owner(root: nn.Module, fqn: str, create: bool = True) -> tuple[nn.Module, s
             module.add_module(part, child)
         module = child
     return module, attr
+
+
+def _local_param(p: nn.Parameter) -> torch.Tensor:
+    """The local shard of a DTensor parameter, autograd-connected to it and flagged as a parameter
+    (so activation offload leaves it in place)."""
+    local = p.to_local()
+    setattr(local, PARAMETER_FLAG, True)
+    setattr(p._local_tensor, PARAMETER_FLAG, True)
+    return local
 
 
 def _placements(spec: ShardSpec | None, original: torch.Tensor) -> tuple:

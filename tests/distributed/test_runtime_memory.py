@@ -1,0 +1,106 @@
+"""The plan's memory decisions on real ranks, alone and combined with sharding.
+
+Recompute (checkpoint regions), partitioned checkpoints (1/n of replicated region inputs kept,
+all-gathered before recompute) and host offload (saved tensors copied away) leave forward outputs and
+gradients equal to the single-device model's; a plan solved under a tight budget runs exactly the
+collectives it predicts, recomputation included.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.models import build_model
+from autoshard.plans import Plan
+from autoshard.runtime import capture_meta
+from autoshard.runtime.activation_codegen import HOST_OFFLOAD_COUNTER
+from runtime_harness import device_mesh, on_all_ranks
+
+MODELS = ["gpt2-tiny", "llama-tiny"]
+BATCH = 8
+_CACHE: dict = {}
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    return build_model(name, device="cpu", batch=BATCH)
+
+
+def _graph(name: str):
+    if name not in _CACHE:
+        model, args, kwargs = _model(name)
+        _CACHE[name] = capture_meta(model, args, kwargs, name=name)
+    return _CACHE[name]
+
+
+def _plan_on_rank0(name: str, **options) -> Plan:
+    box = [None]
+    if dist.get_rank() == 0:
+        box = [autoshard.plan(_graph(name), mesh=(2, 2), hardware="h100-nvlink", **options).to_dict()]
+    dist.broadcast_object_list(box, 0)
+    return Plan.from_dict(box[0])
+
+
+def _decision_run(name: str, baseline: str, decision: str) -> None:
+    plan = _plan_on_rank0(name, baseline=baseline)
+    plan.segments = {segment: decision for segment in plan.segments}
+    model, _, kwargs = _model(name)
+    pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
+    reference = copy.deepcopy(model)
+    out = pm(**kwargs)
+    want = reference(**kwargs)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    for key, p in reference.named_parameters():
+        got = dict(pm.named_parameters())[key].grad.full_tensor()
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {key}: {m}")
+    if decision != "keep":
+        assert "checkpoint" in pm.code or "saved_tensors_hooks" in pm.code
+
+
+@pytest.mark.parametrize("decision", ["recompute", "partitioned", "offload"])
+@pytest.mark.parametrize("baseline", ["megatron", "zero3"])
+@pytest.mark.parametrize("name", MODELS)
+def test_memory_decision_with_sharding_matches_single_device(name, baseline, decision):
+    on_all_ranks(f"{name} {baseline} with every segment {decision}", _decision_run, name, baseline, decision)
+
+
+def _budget_run(name: str, fraction: float) -> None:
+    free = _plan_on_rank0(name)
+    plan = _plan_on_rank0(name, memory_budget=int(free.memory["peak"] * fraction))
+    assert set(plan.segments.values()) - {"keep"}, f"the budget should force recompute/offload: {plan.segments}"
+    model, _, kwargs = _model(name)
+    reference = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
+    before = HOST_OFFLOAD_COUNTER.packed_bytes
+    with pm.comm.counter.recording() as counter:
+        loss = pm(**kwargs).loss
+        offloaded = HOST_OFFLOAD_COUNTER.packed_bytes - before
+        loss.backward()
+    measured = {k: v[0] for k, v in counter.totals().items()}
+    predicted = {(c.kind, tuple(c.axes), c.phase): c.nbytes for c in plan.comm}
+    assert measured == predicted, "measured communication != plan"
+    want = reference(**kwargs).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    if "offload" in plan.segments.values():
+        planned = sum(n.memory["saved"] for n in plan.nodes.values() if plan.segments.get(n.segment or "") == "offload")
+        assert offloaded == planned, f"offloaded {offloaded} B, the plan says {planned} B"
+
+
+_OVERCOUNT = pytest.mark.xfail(strict=True, reason=(
+    "known cost-model gap: a tensor saved by two consumers (RMSNorm's input, saved by pow and by mul; "
+    "rotary cos/sin saved by two muls) is counted once per consumer, and a parameter all-gathered for a "
+    "consumer and saved for its backward is not counted; Llama's offloaded bytes differ by 4%"))
+
+
+@pytest.mark.parametrize("name,fraction", [("gpt2-tiny", 0.6), ("gpt2-tiny", 0.4), ("llama-tiny", 0.6),
+                                           pytest.param("llama-tiny", 0.4, marks=_OVERCOUNT)])
+def test_budgeted_plan_runs_its_predicted_collectives(name, fraction):
+    """Recomputed segments re-run their forward collectives (phase 'recompute'); offloaded ones
+    copy exactly the saved-activation bytes the plan counts."""
+    on_all_ranks(f"{name} at {fraction:.0%} of the unconstrained peak", _budget_run, name, fraction)
