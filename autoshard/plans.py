@@ -102,6 +102,7 @@ class NodePlan:
     compute_bwd: float
     collectives: list[CollectiveEntry]
     memory: dict[str, int]
+    operands: list[str] = dataclasses.field(default_factory=list)   # producer node of each tensor operand
 
     @property
     def comm_seconds(self) -> float:
@@ -457,6 +458,7 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy) -> NodePlan:
                                      float(c.cost)) for c in s.comm],
         memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
+        operands=list(ns.operand_nodes),
     )
 
 
@@ -561,10 +563,17 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decis
         t[1] += 1
 
     segment_of = {}
+    resharded = {(r.dst, r.operand) for r in reshards}
+    synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         segment_of[node.name] = node.segment
         again = node.kind == "call_function" and decisions.get(node.segment or "") in _RECOMPUTING
         for c in node.collectives:
+            shared = _shared_gradient_sync(node, c, resharded)
+            if shared is not None:        # consumers of one value share its gradient all-reduce
+                if shared in synced:
+                    continue
+                synced.add(shared)
             add(c.kind, c.axes, c.phase, c.nbytes)
             if again and c.phase == FWD:
                 add(c.kind, c.axes, RECOMPUTE, c.nbytes)
@@ -580,6 +589,18 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decis
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), phase, n, count)
             for (kind, axes, phase), (n, count) in sorted(totals.items())]
+
+
+def _shared_gradient_sync(node: NodePlan, c: CollectiveEntry, resharded: set[tuple[str, int]]
+                          ) -> tuple[str, tuple[int, ...]] | None:
+    """(producer, axes) of a gradient all-reduce on an operand read as produced (not resharded):
+    the runtime runs one such all-reduce per value and axes, however many consumers need it."""
+    if c.phase != BWD or c.kind != "all_reduce" or not c.operand.startswith("in") or not node.operands:
+        return None
+    j = int(c.operand[2:])
+    if (node.name, j) in resharded or j >= len(node.operands):
+        return None
+    return node.operands[j], tuple(c.axes)
 
 
 def _jsonable(x: Any) -> Any:

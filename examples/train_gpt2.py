@@ -81,7 +81,7 @@ def main() -> None:
         with pmodel.comm.counter.recording() if step == 0 else contextlib.nullcontext():
             loss = pmodel(**batch).loss
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)
+        pmodel.clip_grad_norm_(1.0)      # the global norm over all shards
         opt.step()
         opt.zero_grad()
         seconds = time.perf_counter() - start

@@ -93,6 +93,7 @@ class _Lowering:
         self.cache: dict = {}
         self.bucketed = self._bucketable_params() if bucket_grads else {}
         self.regions: dict[str, int] = {}      # segment -> region id of its memory decision
+        self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
 
     # -- driver ----------------------------------------------------------------------------------
 
@@ -229,7 +230,14 @@ class _Lowering:
             value = self._reshard(value, entry)
         axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
         if axes and not (entry is None and operand.name in self.bucketed):
-            value = self.out.call_method("sync_grad", (self._comm(), value, axes))
+            if entry is not None:
+                return self.out.call_method("sync_grad", (self._comm(), value, axes))
+            # Consumers of one value that need the same gradient all-reduce share it: autograd
+            # sums their partial gradients locally, then one all-reduce runs (the plan counts one).
+            key = (value, axes)
+            if key not in self.synced:
+                self.synced[key] = self.out.call_method("sync_grad", (self._comm(), value, axes))
+            value = self.synced[key]
         return value
 
     def _output(self, node: fx.Node) -> None:

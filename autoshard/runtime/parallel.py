@@ -1,8 +1,10 @@
 """``parallelize``: a plan applied to a model on the ranks of a device mesh.
 
-Each rank holds its shards of every parameter and buffer as ``DTensor`` parameters under the
-original FQNs (so ``torch.optim`` optimizers, ``clip_grad_norm_`` and
-``torch.distributed.checkpoint`` work unchanged), and runs the local program that
+Each rank holds its shards of every parameter and buffer as plain tensors under the original FQNs
+(``torch.optim`` optimizers work unchanged and pay no DTensor dispatch), with their layouts in
+``pmodel.specs``; DTensor views of them serve ``torch.distributed.checkpoint``
+(:meth:`ParallelModule.sharded_state_dict`), the gathered state dict and gradients, and the
+global-norm :meth:`ParallelModule.clip_grad_norm_`. It runs the local program that
 :mod:`autoshard.runtime.lower` generates from the plan: the handlers' local kernels with the plan's
 collectives in between. ``pmodel.code`` shows that program.
 """
@@ -23,7 +25,6 @@ from ..capture import CapturedGraph, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
-from .activation_codegen import PARAMETER_FLAG
 from .collectives import CommCounter, MeshComm, shard_input
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .lower import LocalProgram, PlaceholderInfo, lower
@@ -96,8 +97,10 @@ class ParallelModule(nn.Module):
     # -- state -----------------------------------------------------------------------------------
 
     def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None) -> None:
-        """Register every parameter and buffer under all of its original FQNs, as DTensors, in the
-        original module order (so state-dict keys come in the original order)."""
+        """Register this rank's shard of every parameter and buffer under all of its original FQNs,
+        in the original module order (so state-dict keys come in the original order). Parameters
+        are plain local tensors (optimizers and autograd see no DTensor dispatch); their layouts are
+        kept in ``self.specs`` and DTensor views are built for checkpoints and state dicts."""
         from .state import load_local_shards
 
         specs = {p.fqn: p.spec for p in self._placeholders if p.kind in ("param", "buffer")}
@@ -106,6 +109,7 @@ class ParallelModule(nn.Module):
                    **dict(model.named_buffers(remove_duplicate=False))}
         local = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
         made: dict[str, torch.Tensor] = {}
+        self.specs: dict[str, ShardSpec] = {}
         for prefix, module in model.named_modules(remove_duplicate=False):
             owner = _owner(self, f"{prefix}.x" if prefix else "x")[0]
             for attr, original in [*module._parameters.items(), *module._buffers.items()]:
@@ -117,10 +121,9 @@ class ParallelModule(nn.Module):
                     raise PlanError(f"'{name}' of the model is not in the captured graph's inputs; the plan cannot "
                                     f"place it (was the model changed after planning?)")
                 if fqn not in made:
-                    dt = DTensor.from_local(local[fqn], self.device_mesh, _placements(specs[fqn], original),
-                                            run_check=False)
-                    made[fqn] = nn.Parameter(dt, requires_grad=original.requires_grad) \
-                        if isinstance(original, nn.Parameter) else dt
+                    made[fqn] = nn.Parameter(local[fqn], requires_grad=original.requires_grad) \
+                        if isinstance(original, nn.Parameter) else local[fqn]
+                self.specs[name] = specs[fqn] or ShardSpec.replicate(original.ndim)
                 if isinstance(original, nn.Parameter):
                     owner.register_parameter(attr, made[fqn])        # type: ignore[arg-type]
                 else:
@@ -150,8 +153,7 @@ class ParallelModule(nn.Module):
             if p.kind == "input":
                 feeds.append(self._input(next(user), p))
             elif p.kind in ("param", "buffer"):
-                t = self._tensor_of(p.fqn)                       # type: ignore[arg-type]
-                feeds.append(_local_param(t) if isinstance(t, nn.Parameter) else t._local_tensor)
+                feeds.append(self._tensor_of(p.fqn))             # type: ignore[arg-type]
             elif p.kind == "unused":
                 feeds.append(None)
             else:
@@ -172,19 +174,22 @@ class ParallelModule(nn.Module):
 
     # -- state dicts -----------------------------------------------------------------------------
 
+    def _dtensor(self, name: str, t: torch.Tensor) -> DTensor:
+        """A DTensor view of a local shard (same storage: loading into it loads into the module)."""
+        return DTensor.from_local(t.detach(), self.device_mesh, self.specs[name].to_placements(2), run_check=False)
+
     def sharded_state_dict(self) -> dict[str, DTensor]:
-        """Original FQNs -> DTensor shards (what ``torch.distributed.checkpoint`` saves and loads)."""
-        return {k: v.detach() if isinstance(v, nn.Parameter) else v
-                for k, v in super().state_dict(keep_vars=True).items()}
+        """Original FQNs -> DTensor views of this rank's shards (what ``torch.distributed.checkpoint``
+        saves and loads; loading into them loads into the module)."""
+        return {k: self._dtensor(k, v) for k, v in super().state_dict(keep_vars=True).items()}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
-        sd = super().state_dict(*args, **kwargs)
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+        return {k: v.full_tensor() for k, v in self.sharded_state_dict().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
-        own = self.sharded_state_dict()
+        own = super().state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
@@ -196,9 +201,42 @@ class ParallelModule(nn.Module):
                 src = state_dict[k]
                 if isinstance(src, DTensor):
                     src = src.full_tensor()
-                spec = ShardSpec.from_placements(target.placements, target.ndim)
-                target._local_tensor.copy_(shard_input(src.to(self.device), self.comm, spec.dims))
+                target.copy_(shard_input(src.to(self.device), self.comm, self.specs[k].dims))
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Parameter FQN -> the full (gathered) gradient, or None (collective)."""
+        return {k: None if p.grad is None else self._dtensor(k, p.grad).full_tensor()
+                for k, p in self.named_parameters()}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over all shards, like ``torch.nn.utils.clip_grad_norm_``
+        on the unsharded model; returns that norm (collective). Call this, not torch's function,
+        which would only see this rank's shards."""
+        local = []
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            replicas = 1
+            for a, n in enumerate(self.comm.mesh_shape):
+                if a not in self.specs[name].used_axes():
+                    replicas *= n
+            local.append((p.grad, replicas))
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            total = torch.stack([g.detach().abs().max() for g, _ in local]).max() if local \
+                else torch.zeros((), device=self.device)
+            total = self.comm.raw_all_reduce(total.reshape(1).float(), _all_axes(self.comm), op="max",
+                                             phase="optimizer")[0]
+        else:
+            powered = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type / r for g, r in local),
+                          torch.zeros((), device=self.device))
+            total = self.comm.raw_all_reduce(powered.reshape(1), _all_axes(self.comm), phase="optimizer")[0]
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g, _ in local:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
 
     def extra_repr(self) -> str:
         return f"plan={self.plan.model_name!r}, mesh={self.plan.mesh}, coord={self.comm.coord}"
@@ -220,13 +258,8 @@ def _owner(root: nn.Module, fqn: str, create: bool = True) -> tuple[nn.Module, s
     return module, attr
 
 
-def _local_param(p: nn.Parameter) -> torch.Tensor:
-    """The local shard of a DTensor parameter, autograd-connected to it and flagged as a parameter
-    (so activation offload leaves it in place)."""
-    local = p.to_local()
-    setattr(local, PARAMETER_FLAG, True)
-    setattr(p._local_tensor, PARAMETER_FLAG, True)
-    return local
+def _all_axes(comm: MeshComm) -> tuple[int, ...]:
+    return comm.live_axes(range(len(comm.mesh_shape))) or (0,)
 
 
 def _placements(spec: ShardSpec | None, original: torch.Tensor) -> tuple:

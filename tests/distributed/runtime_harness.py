@@ -1,7 +1,7 @@
 """Run a module under a plan on the real ranks and compare with the single-device module.
 
 Forward outputs are compared as global tensors, parameter gradients after gathering
-(``full_tensor``), input gradients on this rank's block of the input (a rank only back-propagates
+(``full_grads``), input gradients on this rank's block of the input (a rank only back-propagates
 into the block of the global batch it was given). The loss is ``sum(out * w)`` with fixed random
 ``w`` per float output, the same on every rank, scaled by ``1/sqrt(numel)`` so that gradients have
 the size a mean-reduced loss gives them (fp32 summation-order differences then stay within the
@@ -81,9 +81,8 @@ def check_plan(module: torch.nn.Module, inputs: Sequence[Any], plan: Plan, graph
     loss = _loss(outs, ref.weights)
     if loss is not None:
         loss.backward()
-    for name, p in pm.named_parameters():
+    for name, got in pm.full_grads().items():
         want = ref.param_grads[name]
-        got = None if p.grad is None else p.grad.full_tensor()
         if want is None or got is None:
             assert want is None and (got is None or not got.any()), f"{what}: gradient of {name}: {got} vs {want}"
             continue
