@@ -32,3 +32,19 @@ class DeviceComm(Protocol):
     def shard_index(self, axes: Sequence[int]) -> int:
         """This device's block index for a dim sharded over ``axes`` (outer axis first)."""
         ...
+
+
+class MeshCoordinates:
+    """``axis_index``/``shard_index`` from ``coord`` and ``mesh_shape`` (shared by both implementations)."""
+
+    coord: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+
+    def axis_index(self, axis: int) -> int:
+        return self.coord[axis]
+
+    def shard_index(self, axes: Sequence[int]) -> int:
+        idx = 0
+        for a in axes:                   # outer axis first
+            idx = idx * self.mesh_shape[a] + self.coord[a]
+        return idx

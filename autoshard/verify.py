@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .comm_api import MeshCoordinates
 from .opinfo import OpInfo
 from .specs import ShardSpec
 from .strategy import BWD, FWD, Strategy
@@ -91,22 +92,13 @@ class _Rendezvous:
         return out
 
 
-class SimulatedComm:
+class SimulatedComm(MeshCoordinates):
     """DeviceComm of one thread of a simulated mesh (see :mod:`autoshard.comm_api`)."""
 
     def __init__(self, rendezvous: _Rendezvous, coord: tuple[int, ...]):
         self.rv = rendezvous
         self.coord = coord
         self.mesh_shape = rendezvous.mesh_shape
-
-    def axis_index(self, axis: int) -> int:
-        return self.coord[axis]
-
-    def shard_index(self, axes: Sequence[int]) -> int:
-        idx = 0
-        for a in axes:
-            idx = idx * self.mesh_shape[a] + self.coord[a]
-        return idx
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
                    backward: str = "sum") -> torch.Tensor:

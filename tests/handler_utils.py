@@ -24,6 +24,19 @@ MESHES = [(2, 2), (1, 4), (4, 1)]
 torch.set_num_threads(1)
 
 
+class Fn(torch.nn.Module):
+    """Wraps a function of the inputs (and of the module's own layers, if any)."""
+
+    def __init__(self, fn, **layers):
+        super().__init__()
+        self.fn = fn
+        for k, v in layers.items():
+            setattr(self, k, v)
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
 def export_nodes(module: torch.nn.Module, args: Sequence = (), kwargs: dict | None = None
                  ) -> tuple[CapturedGraph, dict[str, Any]]:
     """Capture ``module`` on real tensors and record every node's real value."""

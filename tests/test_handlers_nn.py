@@ -14,22 +14,9 @@ from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
 from autoshard.opinfo import OpInfo
 from autoshard.verify import check_strategy
-from handler_utils import MESHES, check_all_strategies, export_nodes, find_node, operand_values
+from handler_utils import MESHES, Fn, check_all_strategies, export_nodes, find_node, operand_values
 
 aten = torch.ops.aten
-
-
-class Fn(nn.Module):
-    """Wraps a function of the inputs (and of the module's own layers, if any)."""
-
-    def __init__(self, fn, **layers):
-        super().__init__()
-        self.fn = fn
-        for k, v in layers.items():
-            setattr(self, k, v)
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def _rand(*shape):

@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm_api import MeshCoordinates
+
 FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"
 
 Move = tuple[str, int, tuple[int, ...]]
@@ -84,7 +86,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class MeshComm:
+class MeshComm(MeshCoordinates):
     """Collectives of one rank over the mesh axes of a ``DeviceMesh`` (see the module docstring)."""
 
     def __init__(self, device_mesh, counter: CommCounter | None = None) -> None:
@@ -103,16 +105,7 @@ class MeshComm:
         region's forward again), else 'fwd'. Gradient collectives say 'bwd' themselves."""
         return RECOMPUTE if torch._C._current_graph_task_id() != -1 else FWD
 
-    # -- DeviceComm ----------------------------------------------------------------------------
-
-    def axis_index(self, axis: int) -> int:
-        return self.coord[axis]
-
-    def shard_index(self, axes: Sequence[int]) -> int:
-        idx = 0
-        for a in axes:
-            idx = idx * self.mesh_shape[a] + self.coord[a]
-        return idx
+    # -- DeviceComm (axis_index / shard_index from MeshCoordinates) -----------------------------
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
                    backward: str = "sum") -> torch.Tensor:

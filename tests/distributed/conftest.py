@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))   # op_cases, runtime_harness
+sys.path.insert(1, os.path.dirname(os.path.dirname(__file__)))   # handler_utils
 
 
 def pytest_configure(config):

@@ -14,18 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Fn(nn.Module):
-    """``fn(self, *inputs)`` with the given layers/parameters as attributes."""
-
-    def __init__(self, fn: Callable, **layers: nn.Module | nn.Parameter) -> None:
-        super().__init__()
-        self.fn = fn
-        for k, v in layers.items():
-            setattr(self, k, v)
-
-    def forward(self, *args):
-        return self.fn(self, *args)
+from handler_utils import Fn
 
 
 def _p(*shape: int) -> nn.Parameter:
