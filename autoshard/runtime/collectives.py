@@ -138,7 +138,7 @@ class MeshComm(MeshCoordinates):
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self.counter.add("all_gather", (axis,), phase, _nbytes(out))
-        dist.all_gather_into_tensor(out, src, group=self.group((axis,)))
+        dist.all_gather_single(out, src, group=self.group((axis,)))
         return out.movedim(0, dim)
 
     def gather_flat(self, piece: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
@@ -146,7 +146,7 @@ class MeshComm(MeshCoordinates):
         n = math.prod(self.mesh_shape[a] for a in axes)
         out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
         self.counter.add("all_gather", tuple(axes), phase, _nbytes(out))
-        dist.all_gather_into_tensor(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)))
+        dist.all_gather_single(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)))
         return out
 
     def split(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
@@ -166,7 +166,7 @@ class MeshComm(MeshCoordinates):
         src = torch.stack(t.chunk(n, dim)).contiguous()
         out = torch.empty_like(src[0])
         self.counter.add("reduce_scatter", (axis,), phase, _nbytes(t))
-        dist.reduce_scatter_tensor(out, src, group=self.group((axis,)))
+        dist.reduce_scatter_single(out, src, group=self.group((axis,)))
         return out
 
     def to_partial(self, t: torch.Tensor, axis: int) -> torch.Tensor:
