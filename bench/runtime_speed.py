@@ -1,0 +1,421 @@
+"""Runtime speed: autoshard's parallel module vs hand-written PyTorch parallelism, measured on gloo ranks.
+
+Three measurements, each a training step (forward + backward + AdamW step, fp32, dropout 0) timed
+between two barriers on every rank (rank 0's wall time of a step is then the slowest rank's),
+medians of interleaved rounds (every configuration runs a few steps in turn, so load on the
+machine from other processes hits all configurations alike):
+
+1. Megatron TP+DP on a 2x2 mesh (4 gloo ranks): autoshard running its ``baseline="megatron"`` plan
+   vs the same plan written by hand with DTensor: ``parallelize_module`` on the TP sub-mesh (axis 1:
+   q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, vocab-parallel embedding
+   ``RowwiseParallel``, LM head ``ColwiseParallel`` with the logits gathered) and DDP over the DP
+   sub-mesh (axis 0) via ``torch.distributed.tensor.parallel.ddp._pre_dp_module_transform``.
+   Model: Llama, not GPT-2: HF GPT-2 uses ``Conv1D`` (weight ``[in, out]``), which
+   ``ColwiseParallel``/``RowwiseParallel`` reject, and its fused ``c_attn`` is sharded contiguously
+   by the Megatron baseline (q | k | v columns split in halves, not by head), which no stock
+   DTensor style reproduces. Llama has separate ``nn.Linear`` q/k/v projections, so the standard
+   DTensor TP plan is exactly the baseline's parameter layouts.
+2. autoshard's solved plan (free optimum for the ``cpu-gloo`` profile) vs
+   ``DistributedDataParallel`` over all 4 ranks (GPT-2 and Llama).
+3. Runtime overhead: a 1x1 mesh (one rank) running the solved plan vs the plain module.
+
+Run: python bench/runtime_speed.py [--rounds 4] [--steps 4] [--warmup 3] [--no-profile]
+(launches torchrun twice: 4 ranks for 1-2, 1 rank for 3; OMP_NUM_THREADS=1).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BATCH, SEQ = 8, 128
+HARDWARE = "cpu-gloo"
+MODELS = {
+    "llama": ("llama-tiny", dict(hidden_size=128, intermediate_size=512, num_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=SEQ)),
+    "gpt2": ("gpt2-tiny", dict(n_embd=128, num_layers=4, n_head=4, n_positions=SEQ, vocab_size=2048)),
+}
+
+
+# -- shared helpers (run on every rank) ----------------------------------------------------------------
+
+def build(model_key: str):
+    from autoshard.models import build_model
+
+    preset, overrides = MODELS[model_key]
+    model, _, kwargs = build_model(preset, device="cpu", batch=BATCH, seq=SEQ, dropout=0.0, **overrides)
+    return model, kwargs
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class Config:
+    """One thing to time: ``step()`` runs forward + backward + optimizer step and returns the loss.
+
+    ``loss_group``: the process group over which the loss is a per-rank mean of an equal share of
+    the batch (DDP ranks); the very first step's loss is averaged over it, so that every
+    configuration's step-0 loss is the global batch's loss (a check that they train the same model)."""
+
+    def __init__(self, name: str, model_key: str, module: torch.nn.Module, inputs: dict, params,
+                 extra: dict | None = None, loss_group: Any = None, foreach: bool | None = None) -> None:
+        self.name, self.model_key, self.module, self.inputs = name, model_key, module, inputs
+        self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+        self.times: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []
+        self.first_loss: float | None = None
+        self.loss_group = loss_group
+        self.extra = extra or {}
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        loss = self.module(**self.inputs).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        self.phases.append((t1 - t0, t2 - t1, t3 - t2))
+        value = loss.detach()
+        if self.first_loss is None:
+            if self.loss_group is not None:
+                import torch.distributed as dist
+
+                value = value.clone()
+                dist.all_reduce(value, group=self.loss_group)
+                value /= dist.get_world_size(self.loss_group)
+            self.first_loss = float(value)
+        return float(value)
+
+    def shared(self, name: str, foreach: bool) -> "Config":
+        """The same module with another optimizer (e.g. ``foreach=True``)."""
+        cfg = Config(name, self.model_key, self.module, self.inputs, self.module.parameters(), dict(self.extra),
+                     self.loss_group, foreach)
+        cfg.first_loss = float("nan")       # the module has trained already: no step-0 loss to compare
+        return cfg
+
+
+def timed_step(cfg: Config, barrier: Callable[[], None]) -> None:
+    barrier()
+    t0 = time.perf_counter()
+    cfg.step()
+    barrier()
+    cfg.times.append(time.perf_counter() - t0)
+
+
+def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barrier) -> None:
+    for cfg in configs:
+        for _ in range(warmup):
+            cfg.step()
+        barrier()
+    for cfg in configs:
+        cfg.phases.clear()
+    for _ in range(rounds):
+        for cfg in configs:
+            for _ in range(steps):
+                timed_step(cfg, barrier)
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median_ms": 1e3 * statistics.median(xs), "min_ms": 1e3 * min(xs), "max_ms": 1e3 * max(xs),
+            "n": len(xs), "all_ms": [round(1e3 * x, 3) for x in xs]}
+
+
+def profile_configs(configs: list[Config], steps: int, barrier, top: int = 25) -> dict:
+    """torch.profiler over ``steps`` steps of each config (all ranks run them; rank 0's table is kept)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for cfg in configs:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                barrier()
+                cfg.step()
+        barrier()
+        rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        out[cfg.name] = [{"op": e.key, "calls": e.count // steps,
+                          "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                          "total_ms_per_step": e.cpu_time_total / 1e3 / steps} for e in rows]
+    return out
+
+
+def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int):
+    """Rank 0 solves the plan; every rank gets it (as in examples/train_gpt2.py)."""
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.plans import Plan
+
+    box: list[Any] = [None]
+    if rank == 0:
+        t0 = time.perf_counter()
+        p = autoshard.plan(model, (), kwargs, mesh=mesh_shape, hardware=HARDWARE, baseline=baseline)
+        box = [{"plan": p.to_dict(), "seconds": time.perf_counter() - t0}]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, 0)
+    return Plan.from_dict(box[0]["plan"]), box[0]["seconds"]
+
+
+def plan_info(plan, seconds: float) -> dict:
+    from collections import Counter
+
+    return {"modeled_ms": {k: 1e3 * v for k, v in plan.time.items()},
+            "reshardings": len(plan.reshards), "memory_decisions": dict(Counter(plan.segments.values())),
+            "plan_s": seconds, "summary": plan.summary_lines()}
+
+
+def autoshard_config(name: str, model_key: str, mesh, mesh_shape, baseline, rank: int) -> Config:
+    import autoshard
+
+    model, kwargs = build(model_key)
+    plan, seconds = plan_on_rank0(model, kwargs, mesh_shape, baseline, rank)
+    pm = autoshard.parallelize(model, plan, mesh)
+    cfg = Config(name, model_key, pm, kwargs, pm.parameters(), {"plan": plan_info(plan, seconds)})
+    with pm.comm.counter.recording() as counter:      # one step: the collectives this rank runs
+        cfg.step()
+    totals = counter.totals()
+    cfg.extra["collectives_per_step"] = sum(n for _, n in totals.values())
+    cfg.extra["comm_bytes_per_step"] = sum(b for b, _ in totals.values())
+    cfg.extra["comm"] = {f"{k[0]} axes={list(k[1])} {k[2]}": {"bytes": b, "calls": n} for k, (b, n) in totals.items()}
+    return cfg
+
+
+def ddp_config(name: str, model_key: str, rank: int, world: int) -> Config:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, kwargs = build(model_key)
+    local = {k: v.chunk(world, 0)[rank].contiguous() for k, v in kwargs.items()}
+    ddp = DDP(model)
+    return Config(name, model_key, ddp, local, ddp.parameters(), loss_group=dist.group.WORLD)
+
+
+def hand_megatron_config(name: str, mesh) -> Config:
+    """The Megatron baseline written by hand with DTensor: TP on mesh axis 1, DDP on axis 0 (Llama)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, kwargs = build("llama")
+    tp, dp = mesh["axis1"], mesh["axis0"]
+    layout: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),    # vocab-parallel embedding
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),             # vocab-sharded head, logits gathered
+    }
+    for i in range(len(model.model.layers)):
+        pre = f"model.layers.{i}"
+        for col in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            layout[f"{pre}.{col}"] = ColwiseParallel()
+        for row in ("self_attn.o_proj", "mlp.down_proj"):
+            layout[f"{pre}.{row}"] = RowwiseParallel()
+    parallelize_module(model, tp, layout)
+    _pre_dp_module_transform(model)
+    ddp = DDP(model, process_group=dp.get_group())
+    d = dp.get_local_rank()
+    local = {k: v.chunk(dp.size(), 0)[d].contiguous() for k, v in kwargs.items()}
+    return Config(name, "llama", ddp, local, ddp.parameters(), loss_group=dp.get_group())
+
+
+# -- workers (run under torchrun) -------------------------------------------------------------------------
+
+def worker_mesh(args) -> dict:
+    """4 ranks, 2x2 mesh: (1) autoshard megatron vs DTensor hand plan, (2) autoshard solved vs DDP."""
+    import torch.distributed as dist
+
+    import autoshard
+
+    mesh = autoshard.init_mesh((2, 2))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    barrier = dist.barrier
+    t0 = time.perf_counter()
+    as_meg = autoshard_config("llama autoshard megatron", "llama", mesh, (2, 2), "megatron", rank)
+    hand = hand_megatron_config("llama DTensor hand megatron", mesh)
+    configs = [
+        as_meg, hand,
+        as_meg.shared("llama autoshard megatron, AdamW foreach", True),
+        autoshard_config("llama autoshard solved", "llama", mesh, (2, 2), None, rank),
+        autoshard_config("llama autoshard data_parallel", "llama", mesh, (2, 2), "data_parallel", rank),
+        ddp_config("llama DDP", "llama", rank, world),
+        autoshard_config("gpt2 autoshard solved", "gpt2", mesh, (2, 2), None, rank),
+        autoshard_config("gpt2 autoshard data_parallel", "gpt2", mesh, (2, 2), "data_parallel", rank),
+        ddp_config("gpt2 DDP", "gpt2", rank, world),
+    ]
+    setup_s = time.perf_counter() - t0
+    run_rounds(configs, args.warmup, args.rounds, args.steps, barrier)
+    names = ("llama autoshard megatron", "llama DTensor hand megatron", "llama autoshard data_parallel", "llama DDP")
+    summaries = [summary(c) for c in configs]
+    prof = profile_configs([c for c in configs if c.name in names], 3, barrier) if args.profile else {}
+    return {"world_size": world, "setup_s": setup_s, "configs": summaries, "profile": prof}
+
+
+def worker_single(args) -> dict:
+    """1 rank, 1x1 mesh: the runtime's overhead over the plain module."""
+    import torch.distributed as dist
+
+    import autoshard
+
+    mesh = autoshard.init_mesh((1, 1))
+    rank = dist.get_rank()
+    configs = []
+    for key in ("gpt2", "llama"):
+        model, kwargs = build(key)
+        plain = Config(f"{key} plain module", key, model, kwargs, model.parameters())
+        pm = autoshard_config(f"{key} autoshard 1x1", key, mesh, (1, 1), None, rank)
+        configs += [plain, pm, plain.shared(f"{key} plain module, AdamW foreach", True),
+                    pm.shared(f"{key} autoshard 1x1, AdamW foreach", True)]
+    run_rounds(configs, args.warmup, args.rounds, args.steps, dist.barrier)
+    summaries = [summary(c) for c in configs]
+    prof = profile_configs([c for c in configs if c.name.startswith("llama") and "foreach" not in c.name], 3,
+                           dist.barrier) if args.profile else {}
+    return {"world_size": 1, "configs": summaries, "profile": prof}
+
+
+def summary(cfg: Config) -> dict:
+    """Rank 0's view of one configuration (phases: forward / backward / optimizer step of the timed
+    steps, rank 0's clock, no barrier between them, so a phase includes waiting for other ranks)."""
+    phases = {k: 1e3 * statistics.median(p[i] for p in cfg.phases) for i, k in enumerate(("fwd", "bwd", "opt"))}
+    return {"name": cfg.name, "model": cfg.model_key, **stats(cfg.times), "phase_median_ms": phases,
+            "first_loss": None if cfg.first_loss != cfg.first_loss else cfg.first_loss, **cfg.extra}
+
+
+def worker_main(args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = {"mesh": worker_mesh, "single": worker_single}[args.worker](args)
+    if dist.get_rank() == 0:
+        result["torch_threads"] = torch.get_num_threads()
+        result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+        Path(args.out).write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+
+def launch(worker: str, nproc: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(Path(__file__).resolve()), "--worker", worker, "--out", str(out), "--rounds", str(args.rounds),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + ([] if args.profile else ["--no-profile"])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+        data = json.loads(out.read_text())
+        data["wall_s"] = time.perf_counter() - t0
+        return data
+
+
+def by_name(result: dict) -> dict:
+    return {c["name"]: c for c in result["configs"]}
+
+
+def driver(args) -> int:
+    sys.path.insert(0, str(HERE))
+    from _common import write
+
+    mesh = launch("mesh", 4, args)
+    single = launch("single", 1, args)
+    m, s = by_name(mesh), by_name(single)
+
+    def ratio(a: dict, b: dict) -> float:
+        return a["median_ms"] / b["median_ms"]
+
+    comparisons = [
+        ("(1) Megatron TP+DP, 2x2", "llama autoshard megatron", "llama DTensor hand megatron", m, 1.0),
+        ("(1) same, autoshard with AdamW(foreach=True)", "llama autoshard megatron, AdamW foreach",
+         "llama DTensor hand megatron", m, 1.0),
+        ("(2) solved plan vs DDP, 2x2", "gpt2 autoshard solved", "gpt2 DDP", m, None),
+        ("(2) solved plan vs DDP, 2x2", "llama autoshard solved", "llama DDP", m, None),
+        ("(2') autoshard's data_parallel plan vs DDP", "gpt2 autoshard data_parallel", "gpt2 DDP", m, None),
+        ("(2') autoshard's data_parallel plan vs DDP", "llama autoshard data_parallel", "llama DDP", m, None),
+        ("(3) runtime overhead, 1x1", "gpt2 autoshard 1x1", "gpt2 plain module", s, 1.05),
+        ("(3) runtime overhead, 1x1", "llama autoshard 1x1", "llama plain module", s, 1.05),
+        ("(3) same, both AdamW(foreach=True)", "gpt2 autoshard 1x1, AdamW foreach", "gpt2 plain module, AdamW foreach",
+         s, 1.05),
+        ("(3) same, both AdamW(foreach=True)", "llama autoshard 1x1, AdamW foreach",
+         "llama plain module, AdamW foreach", s, 1.05),
+    ]
+    rows, checks = [], []
+    for what, a, b, res, target in comparisons:
+        r = ratio(res[a], res[b])
+        ok = "-" if target is None else ("yes" if r <= target else "NO")
+        checks.append({"comparison": what, "autoshard": a, "reference": b, "ratio": r, "target": target,
+                       "met": None if target is None else r <= target,
+                       "loss_diff_first_step": None if None in (res[a]["first_loss"], res[b]["first_loss"])
+                       else abs(res[a]["first_loss"] - res[b]["first_loss"])})
+        fmt = lambda c: f"{c['median_ms']:.1f} ({c['min_ms']:.1f}-{c['max_ms']:.1f})"  # noqa: E731
+        diff = checks[-1]["loss_diff_first_step"]
+        rows.append([what, a, fmt(res[a]), b, fmt(res[b]), f"{r:.2f}x",
+                     "-" if target is None else f"<= {target:.2f}x", ok, "-" if diff is None else f"{diff:.1e}"])
+    env = {"torch": torch.__version__, "OMP_NUM_THREADS": mesh.get("omp_num_threads"),
+           "torch_threads_per_rank": mesh.get("torch_threads"), "backend": "gloo", "cpus": os.cpu_count(),
+           "loadavg_at_end": os.getloadavg()}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    data = {"settings": {"batch": BATCH, "seq": SEQ, "hardware_profile": HARDWARE, "models": MODELS,
+                         "rounds": args.rounds, "steps_per_round": args.steps, "warmup": args.warmup,
+                         "timing": "barrier; forward+backward+AdamW step+zero_grad; barrier (rank 0 wall time)"},
+            "environment": env, "comparisons": checks, "mesh_2x2": mesh, "single_rank": single}
+    note = ("Step = forward + backward + AdamW step, fp32, batch 8 x seq 128 (global), median (min-max) ms of "
+            f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up steps, gloo, "
+            "OMP_NUM_THREADS=1, one torchrun launch for the 2x2 rows and one (1 rank) for the 1x1 rows. "
+            "(1) uses Llama: HF GPT-2's Conv1D layers are not nn.Linear, which DTensor's Colwise/RowwiseParallel "
+            "require. Models: " + ", ".join(f"{k}: {p} {o}" for k, (p, o) in MODELS.items()) + ".")
+    detail = ["", "Every configuration (rank 0; phases are medians on rank 0's clock without barriers between them, "
+              "so a phase includes waiting for the other ranks; collectives: autoshard's own count for one step):", "",
+              "| launch | configuration | median ms | min-max ms | fwd / bwd / opt ms | collectives/step | plan "
+              "(memory decisions, reshardings, modeled ms) | step-0 loss |", "|---|---|---|---|---|---|---|---|"]
+    for label, res in (("2x2", mesh), ("1x1", single)):
+        for c in res["configs"]:
+            ph = c["phase_median_ms"]
+            pl = c.get("plan")
+            plan_text = "-" if pl is None else (f"{' '.join(f'{n} {k}' for k, n in pl['memory_decisions'].items())}, "
+                                                 f"{pl['reshardings']}, {pl['modeled_ms']['total']:.0f}")
+            detail.append(f"| {label} | {c['name']} | {c['median_ms']:.1f} | {c['min_ms']:.1f}-{c['max_ms']:.1f} | "
+                          f"{ph['fwd']:.0f} / {ph['bwd']:.0f} / {ph['opt']:.0f} | {c.get('collectives_per_step', '-')} | "
+                          f"{plan_text} | {'-' if c['first_loss'] is None else format(c['first_loss'], '.5f')} |")
+    write("runtime_speed", data, ["comparison", "autoshard", "ms", "reference", "ms", "ratio", "target", "met",
+                                  "step-0 loss diff"], rows, note + "\n" + "\n".join(detail))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the torch.profiler tables (3 steps of the main configurations, rank 0)")
+    ap.add_argument("--worker", choices=["mesh", "single"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args)
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
