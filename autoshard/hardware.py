@@ -3,6 +3,11 @@
 A profile lives in ``configs/hardware/<name>.yaml``. Communication on each mesh axis follows the
 alpha-beta model: a message of ``b`` bytes takes ``alpha + beta * b`` seconds per ring step.
 Axis 0 is the outer (possibly inter-node) axis; axis 1 the inner one.
+
+``device_memory_separate`` says whether a device has memory of its own apart from host memory
+(GPUs: true, the default). It is false for CPU ranks (``cpu-gloo``): there "device" memory IS host
+memory, so offloading activations to the host frees nothing and is a plain copy on the critical
+path (see :mod:`autoshard.solver.ilp`).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class HardwareProfile:
     memory_per_device: int                   # bytes
     host_device_bandwidth: float             # bytes/s, one direction
     description: str = ""
+    device_memory_separate: bool = True      # False: device memory is host memory (CPU ranks)
     extra: Mapping[str, object] = field(default_factory=dict)
 
     def flops_for(self, dtype_name: str) -> float:
@@ -62,6 +68,7 @@ class HardwareProfile:
                 memory_per_device=parse_bytes(d["memory_per_device"]),
                 host_device_bandwidth=float(d["host_device_bandwidth"]),
                 description=str(d.get("description", "")),
+                device_memory_separate=_flag(d, "device_memory_separate", True),
                 extra=dict(d.get("extra", {})),
             )
         except KeyError as e:
@@ -76,11 +83,21 @@ class HardwareProfile:
             "memory_bandwidth": self.memory_bandwidth,
             "memory_per_device": self.memory_per_device,
             "host_device_bandwidth": self.host_device_bandwidth,
+            "device_memory_separate": self.device_memory_separate,
             "extra": dict(self.extra),
         }
 
     def save(self, path: "str | Path") -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _flag(d: Mapping, key: str, default: bool) -> bool:
+    """A boolean field; YAML ``true``/``false`` only (a string such as ``"false"`` would be truthy)."""
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {key} must be true or false, "
+                            f"got {value!r}")
+    return value
 
 
 def available_profiles() -> list[str]:

@@ -231,6 +231,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         memory_per_device=(torch.cuda.get_device_properties(device).total_memory
                            if device.type == "cuda" else _physical_memory_per_rank()),
         host_device_bandwidth=host_bw,
+        device_memory_separate=device.type == "cuda",     # CPU ranks: "device" memory is host memory
         description=_describe(mesh, device, sizes, iters, local.matmul_n, links, base),
         extra={"measured": {"backend": dist.get_backend(), "world_size": dist.get_world_size(),
                             "cpu_count": os.cpu_count(), "torch": str(torch.__version__),

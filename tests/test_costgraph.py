@@ -227,6 +227,55 @@ def test_merged_follower_choice_is_the_cheapest(name):
 
 
 @pytest.mark.parametrize("name", LLMS)
+def test_merged_follower_ties_keep_the_producers_layout(name):
+    """Among equally cheap follower strategies the merge takes the one that needs no resharding,
+    else the fewest resharding steps, then the fewest sharded axes (not the first index): a free
+    local split ties with no resharding, but consumers wanting the producer's layout then gather."""
+    cg = graph_of(name, merge=True, alias=False)
+    table = cg.table
+    mesh, hw = table.mesh.shape, table.hardware
+    unmerged = graph_of(name, merge=False, alias=False)
+    checked = 0
+    for node in cg.nodes.values():
+        for m in node.members[1:]:
+            producer = table[m].operand_nodes[0]
+            edge = next(e for e in unmerged.edges if e.dst_member == m)
+            shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
+            for c in range(len(node)):
+                spec = node.output_spec(producer, c, edge.src_output)
+
+                def key(f):
+                    d = f.input_specs[0]
+                    cost = reshard_cost(spec, d, shape, item, mesh, hw) + f.total_time
+                    steps = len(reshard_plan(spec, d, shape, item, mesh, hw).steps)
+                    if edge.grad:
+                        cost += reshard_cost(d, spec, shape, item, mesh, hw)
+                        steps += len(reshard_plan(d, spec, shape, item, mesh, hw).steps)
+                    return cost, d != spec, steps, len(d.used_axes())
+                keys = [key(f) for f in table[m].strategies]
+                best = min(k[0] for k in keys)
+                tied = [k[1:] for k in keys if k[0] <= best + max(best * 1e-9, 1e-15)]
+                chosen = key(node.member_strategy(m, c))
+                assert chosen[1:] == min(tied), (node.name, m, c, str(spec))
+                checked += len(tied) > 1
+    assert checked          # the models do have ties
+
+
+def test_llama_rotary_tables_are_not_split_and_gathered_back():
+    """Llama's rotary cos/sin (getitem -> cast after ``wrap_with_set_grad_enabled``) merge
+    without a free split that every layer would then all-gather back."""
+    import autoshard
+    graph = capture(*build_model("llama-tiny", batch=8))
+    host = next(n for n in graph.graph.nodes if n.name.startswith("wrap_with_set_grad_enabled"))
+    rotary = {host.name} | {u.name for g in host.users for u in (g, *g.users)}
+    assert len(rotary) >= 5                     # the op, cos/sin getitems, their casts
+    for baseline in ("megatron", "data_parallel", None):
+        plan = autoshard.plan(graph, mesh=MESH, hardware="cpu-gloo", baseline=baseline)
+        moved = [f"{e.src} -> {e.dst} {e.src_spec} -> {e.dst_spec}" for e in plan.reshards if e.src in rotary]
+        assert not moved, (baseline, moved)
+
+
+@pytest.mark.parametrize("name", LLMS)
 def test_merged_and_unmerged_graphs_cost_the_same_choice(name):
     merged = graph_of(name, merge=True, alias=False)
     exact = graph_of(name, merge=False, alias=False)

@@ -73,3 +73,19 @@ def test_fit_rejects_unusable_data():
         fit_alpha_beta(SIZES, [1e-3 - 1e-12 * b for b in SIZES], 2)
     with pytest.raises(ProfileError, match="no communication"):
         fit_alpha_beta(SIZES, [1e-3] * len(SIZES), 1)
+
+
+def test_device_memory_separate_only_on_gpu_profiles():
+    assert not load_hardware("cpu-gloo").device_memory_separate
+    for name in ("a100-nvlink", "h100-nvlink", "h100-multinode"):
+        assert load_hardware(name).device_memory_separate
+
+
+def test_device_memory_separate_defaults_true_and_must_be_a_bool():
+    d = load_hardware("cpu-gloo").to_dict()
+    assert d["device_memory_separate"] is False
+    del d["device_memory_separate"]               # profiles (and plans) written before the field
+    assert HardwareProfile.from_dict(d).device_memory_separate is True
+    d["device_memory_separate"] = "false"
+    with pytest.raises(HardwareError, match="device_memory_separate must be true or false"):
+        HardwareProfile.from_dict(d)

@@ -154,3 +154,68 @@ def test_counts_readout_matches_the_objective():
     t, mem = predict(cg, sol.choice, sol.decisions, SolverOptions())
     assert t.total == pytest.approx(sol.objective, rel=1e-6)
     assert mem.peak <= (need + 0.7 * (free.memory.peak - need)) * (1 + 1e-6)
+
+
+# -- offload where device memory is host memory, and ties toward keep --------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_cpu():
+    return _cost_graph("gpt2-tiny", (2, 2), hardware="cpu-gloo", batch=8)
+
+
+def _cpu_budget():
+    from autoshard.hardware import load_hardware
+    return load_hardware("cpu-gloo").memory_per_device
+
+
+def test_cpu_ranks_do_not_offload(gpt2_cpu):
+    """On CPU ranks the host IS the device memory: offloading frees nothing, so with no memory
+    pressure (the profile's own memory as budget, as autoshard.plan sets it) nothing is offloaded."""
+    for budget in (None, _cpu_budget()):
+        sol = solve(gpt2_cpu, SolverOptions(memory_budget=budget))
+        assert set(sol.decisions.values()) == {"keep"}, sol.decisions
+        assert sol.time.offload == 0 and sol.memory.working_set == 0
+
+
+def test_cpu_ranks_are_not_offered_offload(gpt2_cpu):
+    """Under a budget that forces dropping activations, CPU ranks recompute; they cannot offload."""
+    from autoshard.solver.ilp import _allowed_decisions
+    assert "offload" not in _allowed_decisions(SolverOptions(), device_memory_separate=False)
+    assert "offload" in _allowed_decisions(SolverOptions(), device_memory_separate=True)
+    assert _allowed_decisions(SolverOptions(decisions=("offload",)), device_memory_separate=False) == ["offload"]
+    free = solve(gpt2_cpu)
+    need, _ = minimum_budget(gpt2_cpu)
+    assert need < free.memory.peak
+    sol = solve(gpt2_cpu, SolverOptions(memory_budget=need + 0.3 * (free.memory.peak - need)))
+    assert set(sol.decisions.values()) - {"keep"}, sol.decisions     # the budget drops activations
+    assert "offload" not in sol.decisions.values()
+
+
+def test_forced_offload_on_cpu_ranks_is_a_copy_that_frees_nothing(gpt2_cpu):
+    """A forced offload on CPU ranks is priced as one copy of the saved activations on the critical
+    path and keeps them resident (same peak as keep, no working set), in the ILP and in predict."""
+    hw = gpt2_cpu.hardware
+    keep = solve(gpt2_cpu, SolverOptions(fixed_decision="keep"))
+    off = solve(gpt2_cpu, SolverOptions(fixed_decision="offload"))
+    assert set(off.decisions.values()) == {"offload"}
+    t, mem = predict(gpt2_cpu, keep.choice, off.decisions, SolverOptions())
+    assert mem.peak == pytest.approx(keep.memory.peak, rel=1e-12) and mem.working_set == 0
+    saved = mem.activations - sum(gpt2_cpu.nodes[n].costs.saved[keep.choice[n]]
+                                  for n in gpt2_cpu.nodes if gpt2_cpu.nodes[n].segment is None)
+    assert saved > 0 and t.offload == pytest.approx(saved / hw.host_device_bandwidth, rel=1e-9)
+    assert off.objective == pytest.approx(off.time.total, rel=1e-6)
+    assert off.objective > keep.objective
+
+
+def test_exact_ties_go_to_keep():
+    """With the offload copy fully hidden by compute (device memory separate, tiny activations)
+    offload and keep cost the same time; with a non-binding budget the solver keeps."""
+    from autoshard.hardware import load_hardware
+    hw = load_hardware("cpu-gloo").to_dict()
+    hw["device_memory_separate"] = True          # pretend GPUs: offload is hidden behind compute
+    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hw, batch=8)
+    sol = solve(cg, SolverOptions(memory_budget=_cpu_budget()))
+    assert set(sol.decisions.values()) == {"keep"}, sol.decisions
+    forced = solve(cg, SolverOptions(fixed_decision="offload"))
+    assert forced.time.offload == 0 and forced.objective == pytest.approx(sol.objective, rel=1e-9)
+    assert sol.objective == pytest.approx(sol.time.total, rel=1e-9)     # the tie-break is not reported

@@ -514,6 +514,17 @@ class _Reshard:
         states = table.states
         self.dist = _readonly(np.array([[table.cost(s, d) for d in states] for s in states]))
         self._nbytes: dict[tuple[int, int], int] = {}
+        self._steps: dict[tuple[int, int], int] = {}
+
+    def steps(self, src: int, dst: int) -> int:
+        """Moves (splits and collectives) of the cheapest resharding from state ``src`` to ``dst``."""
+        if src == dst:
+            return 0
+        key = (src, dst)
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = len(self.table.plan(self.table.states[src], self.table.states[dst]).steps)
+        return hit
 
     def nbytes(self, src: int, dst: int) -> int:
         """Bytes per device moved by the cheapest resharding from state ``src`` to ``dst``."""
@@ -617,9 +628,10 @@ class _Builder:
     def _merged(self, host: CGNode, producer: str, f_strats: list[Strategy], out_idx: int,
                 meta: TensorMeta, grad: bool) -> tuple:
         """Per host strategy, the follower strategy minimising resharding (fwd + bwd) from the
-        producer's output spec plus the follower's own time (first index on ties). Returns the
-        combined strategies, the chosen follower indices and the costs they add (followed by the
-        objects whose ids key the cache)."""
+        producer's output spec plus the follower's own time; ties (within float rounding) go to
+        :func:`_tie_break` (no resharding, then fewest resharding steps, then fewest sharded mesh
+        axes, then the first index). Returns the combined strategies, the chosen follower indices
+        and the costs they add (followed by the objects whose ids key the cache)."""
         f_costs = self._costs(f_strats)
         f_time = f_costs.time()
         rs = self._reshard(meta)
@@ -633,7 +645,7 @@ class _Builder:
             if s not in best:
                 fwd = rs.dist[s, f_in]
                 bwd = rs.dist[f_in, s] if grad else np.zeros(len(f_in))
-                j = int(np.argmin(fwd + bwd + f_time))
+                j = _tie_break(rs, s, f_in, fwd + bwd + f_time, grad)
                 best[s] = (j, float(fwd[j]), float(bwd[j]))
             chosen[c], moved[0, c], moved[1, c] = best[s]
         label = f"reshard into member {len(host.members)}"
@@ -789,6 +801,31 @@ def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: st
         return ()
     return tuple(CommAction(step.kind, (step.axis,), step.nbytes, phase, label, step.cost)
                  for step in rt.plan(src, dst).steps if step.collective is not None)
+
+
+def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad: bool) -> int:
+    """Index of the follower strategy to merge: least ``total`` cost; among (near-)ties, the
+    one whose input state is ``src`` (the producer's output, nothing to reshard), then fewest
+    resharding steps (fwd, plus bwd when the gradient flows), then fewest sharded or partial mesh
+    axes in its input spec, then the first index.
+
+    Free resharding steps (a local split) tie with none, but the first index is an arbitrary
+    strategy order: picking a split there makes every consumer that wants the producer's layout
+    gather it back (e.g. Llama's rotary cos/sin, split after ``wrap_with_set_grad_enabled`` and
+    all-gathered again in every layer).
+    """
+    best = float(total.min())
+    tied = np.flatnonzero(total <= best + max(abs(best) * 1e-9, 1e-15))
+    if len(tied) == 1:
+        return int(tied[0])
+    states = rs.table.states
+
+    def key(j: int) -> tuple:
+        d = int(f_in[j])
+        steps = rs.steps(src, d) + (rs.steps(d, src) if grad else 0)
+        return (d != src, steps, len(states[d].used_axes()), j)
+
+    return min(tied.tolist(), key=key)
 
 
 def _combine(host: Strategy, follower: Strategy, rt: ReshardTable, out_spec: ShardSpec,

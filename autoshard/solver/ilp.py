@@ -19,6 +19,20 @@ Memory (bytes per device, at the start of backward): parameters + gradients + op
   + activations saved outside segments, + per segment: saved activations if kept, its checkpointed
   input if recomputed (1/n of it if partitioned over the n devices holding copies), nothing if
   offloaded, + the working set of the largest segment that is recomputed or offloaded.
+Offload: with device memory separate from the host (``HardwareProfile.device_memory_separate``,
+  GPUs), the device->host copy of a segment's saved activations A runs on a side stream during
+  the rest of the forward and the host->device copy during the backward, so it costs
+  max(0, A/host_bw - F) + max(0, A/host_bw - B) (F, B: the segment's forward / backward time) and
+  frees A until the segment's backward (then counted in the working set). Without separate device
+  memory (CPU ranks, ``cpu-gloo``) the "host" IS the device memory: offloading frees nothing (A
+  stays resident, no working set) and the copy is on the critical path (A/host_bw in the forward;
+  restoring hands the host copy back without a copy). Such an offload is never better than keep,
+  so the solver is not offered it (it would only add variables); a forced one (``fixed_decision``
+  or ``decisions=("offload",)``, or a plan's segments priced by :func:`predict`) is priced that way.
+Ties: every segment not kept adds ``KEEP_TIE_US`` (a nanosecond) to the ILP objective, so among
+  plans of equal modeled time the solver keeps activations (e.g. with no memory pressure an
+  offload the compute hides completely is not chosen over keep); it is left out of the reported
+  objective.
 
 Products of a count n (integer in [0, N]) with a linear function of the strategy choices
 E = sum_g sum_s c[g, s] x[g, s] are linearised per decision group, in disaggregated form:
@@ -54,6 +68,7 @@ from .costgraph import CGEdge, CGNode, CostGraph
 DECISIONS = ("keep", "recompute", "offload", "partitioned")
 T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
+KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
 
 
 class InfeasibleBudgetError(ValueError):
@@ -294,8 +309,7 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
     ``budget`` (bytes) is the bound the caller puts on the peak, or None when it puts none; it only
     serves to prove that some segment cannot be kept (see :func:`_designated_working_set`)."""
     static, nonseg_act = _static_and_unsegmented_memory(m)
-    allowed = [m.options.fixed_decision] if m.options.fixed_decision else [d for d in DECISIONS
-                                                                            if d in m.options.decisions]
+    allowed = _allowed_decisions(m.options, m.cg.hardware.device_memory_separate)
     working = m.var(name="W")
     keep_all = static + nonseg_act           # the memory of keeping every segment
     seg_act, classes, not_kept = [], [], []
@@ -311,6 +325,18 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
     _designated_working_set(m, not_kept, working, must_drop)
     peak = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act) + working
     return peak, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m)}
+
+
+def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> list[str]:
+    """The memory decisions the ILP chooses among: ``fixed_decision`` alone, else ``decisions``
+    in DECISIONS order, less offload when device memory is host memory (it frees nothing and
+    only adds a copy, so keep dominates it) unless offload is all that is left."""
+    if options.fixed_decision:
+        return [options.fixed_decision]
+    allowed = [d for d in DECISIONS if d in options.decisions]
+    if not device_memory_separate and len(allowed) > 1:
+        allowed = [d for d in allowed if d != "offload"]
+    return allowed
 
 
 def _static_and_unsegmented_memory(m: _Model) -> tuple["_Form", "_Form"]:
@@ -454,14 +480,23 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
         ckpt, rec = _products(m, counts["partitioned"], n, [f.ckpt_part, f.fwd + f.gather])
         memory.append(ckpt)
         time_terms.append(rec)
+    resident = {"keep"}                    # decisions that leave the saved activations resident
     if "offload" in counts:
         per_gib = M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one GiB
-        saved, fwd, bwd = _products(m, counts["offload"], n, [f.saved, f.fwd, f.bwd])
-        for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
-            exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
-            m.prob += exposed >= per_gib * saved - phase_compute
-            time_terms.append(exposed)
-    if f.saved.upper() <= 0 or set(counts) == {"keep"}:
+        if m.cg.hardware.device_memory_separate:
+            saved, fwd, bwd = _products(m, counts["offload"], n, [f.saved, f.fwd, f.bwd])
+            for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
+                exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
+                m.prob += exposed >= per_gib * saved - phase_compute
+                time_terms.append(exposed)
+        else:
+            # Host memory is device memory: the copy frees nothing and nothing hides it. Only
+            # offered alone (see _allowed_decisions), so it never shares a class with keep.
+            (saved,) = _products(m, counts["offload"], n, [f.saved])
+            memory.append(saved)
+            time_terms.append(per_gib * saved)
+            resident.add("offload")
+    if f.saved.upper() <= 0 or set(counts) <= resident:
         return counts, memory, time_terms, None, f.saved
     u = _not_kept_indicator(m, counts, n)
     m.prob += working >= _class_working_set(m, u, f.saved, keep_saved)
@@ -592,11 +627,19 @@ def _build(cg: CostGraph, options: SolverOptions,
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
     peak, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
-    m.prob += pulp.lpSum(objective_terms)
+    handles["tie"] = _keep_tie_break(handles["classes"])
+    m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
         m.prob += peak <= float(options.memory_budget) / M
     handles["peak"] = peak
     return m, handles
+
+
+def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
+    """``KEEP_TIE_US`` per segment not kept, over the classes that may keep (see the module
+    docstring): equal modeled time then goes to keep."""
+    return pulp.lpSum(KEEP_TIE_US * v for _, counts in classes if "keep" in counts
+                      for k, v in counts.items() if k != "keep" and isinstance(v, pulp.LpVariable))
 
 
 def _status(prob: pulp.LpProblem) -> str:
@@ -649,7 +692,8 @@ def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float
                 break
     decisions = _read_decisions(handles)
     time_pred, mem = predict(cg, choice, decisions, m.options)
-    return Solution(choice, decisions, time_pred, mem, status, _value(m.prob.objective) / T, build, solve_s,
+    objective = (_value(m.prob.objective) - _value(handles.get("tie", 0.0))) / T   # without the tie-break
+    return Solution(choice, decisions, time_pred, mem, status, objective, build, solve_s,
                     m.prob.numVariables(), m.prob.numConstraints(), m.options.solver, bound=_dual_bound(m.prob))
 
 
@@ -710,6 +754,10 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
         if dec == "keep":
             mem.activations += A
+            continue
+        if dec == "offload" and not hw.device_memory_separate:
+            mem.activations += A               # host memory is device memory: nothing freed
+            t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
             continue
         mem.working_set = max(mem.working_set, A)
         if dec == "recompute":
