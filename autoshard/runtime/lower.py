@@ -114,6 +114,7 @@ class _Lowering:
                 raise LoweringError(f"node '{node.name}' has fx op {node.op!r}, which the runtime cannot run")
         self.out.lint()
         gm = fx.GraphModule(self.root, self.out, class_name="LocalProgram")
+        gm.comm = self.comm          # also where no collective reads it (partitioned checkpoints do)
         if self.regions:
             gm = apply_memory_annotations(gm)
         return LocalProgram(gm, placeholders, dict(self.bucketed))

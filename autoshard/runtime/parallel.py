@@ -165,6 +165,17 @@ class ParallelModule(nn.Module):
     def _input(self, value: Any, p: PlaceholderInfo) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
+        meta = self.graph.tensor_meta(p.name)
+        want = tuple(meta.shape)
+        if self.input_mode == "local" and p.spec is not None:
+            want = p.spec.local_shape(want, self.comm.mesh_shape)
+        if tuple(value.shape) != want:
+            where = self.graph.user_input_specs.get(p.name, p.name)
+            layout = (f"this rank's {p.spec} shard of the planned {tuple(meta.shape)}" if self.input_mode == "local"
+                      else "the global batch the plan was made for")
+            raise ValueError(f"input {where} has shape {tuple(value.shape)}, expected {want} ({layout}); the plan "
+                             f"and the graph are fixed to the planned input shapes: re-plan for these shapes, with "
+                             f"a batch the mesh divides")
         return value if value.device == self.device else value.to(self.device)
 
     @property

@@ -29,8 +29,9 @@ Offload: with device memory separate from the host (``HardwareProfile.device_mem
   restoring hands the host copy back without a copy). Such an offload is never better than keep,
   so the solver is not offered it (it would only add variables); a forced one (``fixed_decision``
   or ``decisions=("offload",)``, or a plan's segments priced by :func:`predict`) is priced that way.
-Ties: every segment not kept adds ``KEEP_TIE_US`` (a nanosecond) to the ILP objective, so among
-  plans of equal modeled time the solver keeps activations (e.g. with no memory pressure an
+Ties: every segment not kept adds ``KEEP_TIE_US`` (a nanosecond; twice that for partitioned) to
+  the ILP objective, so among plans of equal modeled time the solver keeps activations, and
+  recomputes plainly rather than partitioned where both cost the same (e.g. with no memory pressure an
   offload the compute hides completely is not chosen over keep); it is left out of the reported
   objective.
 
@@ -69,6 +70,9 @@ DECISIONS = ("keep", "recompute", "offload", "partitioned")
 T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
+# ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
+# prefer the plain checkpoint then.
+_TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0}
 
 
 class InfeasibleBudgetError(ValueError):
@@ -638,7 +642,7 @@ def _build(cg: CostGraph, options: SolverOptions,
 def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
     """``KEEP_TIE_US`` per segment not kept, over the classes that may keep (see the module
     docstring): equal modeled time then goes to keep."""
-    return pulp.lpSum(KEEP_TIE_US * v for _, counts in classes if "keep" in counts
+    return pulp.lpSum(KEEP_TIE_US * _TIE_WEIGHT[k] * v for _, counts in classes if "keep" in counts
                       for k, v in counts.items() if k != "keep" and isinstance(v, pulp.LpVariable))
 
 
