@@ -19,7 +19,9 @@ def init_mesh(shape: "MeshSpec | Sequence[int] | str | int", *, backend: str | N
 
     Initialises the default process group if needed: NCCL when CUDA is available (each rank on
     ``cuda:LOCAL_RANK``), gloo otherwise. ``timeout`` (a timedelta or seconds) bounds every
-    collective, so a rank that dies makes the others fail instead of hanging. Raises
+    collective of the mesh axes, so a rank that stops answering makes the others fail instead of
+    hanging (one that exits makes them fail at once: its connections close). When the default
+    process group already exists, its own timeout applies to it; the axis groups still get ``timeout``. Raises
     :class:`~autoshard.mesh.MeshError` when the mesh size differs from the world size.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -39,5 +41,11 @@ def init_mesh(shape: "MeshSpec | Sequence[int] | str | int", *, backend: str | N
     if world != mesh.size:
         raise MeshError(f"mesh {mesh} has {mesh.size} devices but this job has {world} ranks; launch with "
                         f"torchrun --nproc_per_node={mesh.size} (per node) or choose a mesh of {world} devices")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=("axis0", "axis1"))
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    # The mesh axes get process groups of their own: give them the same timeout (new groups would
+    # otherwise take the backend's default, 30 minutes for gloo).
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=("axis0", "axis1"),
+                            backend_override={0: (backend, options), 1: (backend, options)})

@@ -322,8 +322,15 @@ def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, 
     return capture_meta(model, args, kwargs, name=plan.model_name)
 
 
+_DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
+                    "segments", "reshards", "inputs")
+
+
 def _plan_digest(plan: Plan) -> str:
-    data = {k: v for k, v in plan.to_dict().items() if k not in ("created", "timings")}
+    """Hash of what a plan decides (not of when or how fast it was solved: ranks that each solve the
+    same problem agree)."""
+    full = plan.to_dict()
+    data = {k: full[k] for k in _DECIDING_FIELDS}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
