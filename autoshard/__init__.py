@@ -13,7 +13,7 @@ from .strategy import AxisOption, CommAction, MemoryCost, Strategy
 from .plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from .solver.ilp import InfeasibleBudgetError
 from .api import BudgetError, plan
-from .runtime import (AutoChunkError, autochunk, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
+from .runtime import (AutoChunkError, autochunk, offload_parameters, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
 
 __version__ = "0.1.0"
@@ -26,5 +26,5 @@ __all__ = [
     "BudgetError", "InfeasibleBudgetError", "PLAN_FORMAT_VERSION", "Plan", "PlanError", "PlanMismatchError",
     "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
     "parallelize", "save_checkpoint", "SavedTensorMeter", "apply_memory_annotations",
-    "AutoChunkError", "autochunk",
+    "AutoChunkError", "autochunk", "offload_parameters",
 ]
