@@ -174,11 +174,7 @@ def _norm_over_last(shape_name: str) -> Rule:
         ndim = value(inp).ndim
         if d >= ndim - len(b[shape_name]):
             raise NotFree(f"{node.target} normalises over dim {d}")
-        flow: dict[fx.Node, int | None] = {inp: d}
-        for a in input_nodes(node):
-            if a is not inp:
-                _merge(flow, a, None)
-        return Flow(flow)
+        return _first_input_flows(node, d)
 
     return rule
 
@@ -191,14 +187,19 @@ def _batch_norm_eval(training_name: str | None) -> Rule:
             raise NotFree("batch norm in training mode uses batch statistics")
         if d == 1:
             raise NotFree("batch norm parameters run along the channel dim")
-        inp = node.args[0]
-        flow: dict[fx.Node, int | None] = {inp: d}
-        for a in input_nodes(node):
-            if a is not inp:
-                _merge(flow, a, None)
-        return Flow(flow)
+        return _first_input_flows(node, d)
 
     return rule
+
+
+def _first_input_flows(node: fx.Node, d: int) -> Flow:
+    """Dim ``d`` flows through the first input; the other inputs (weights, statistics) are whole."""
+    inp = node.args[0]
+    flow: dict[fx.Node, int | None] = {inp: d}
+    for a in input_nodes(node):
+        if a is not inp:
+            _merge(flow, a, None)
+    return Flow(flow)
 
 
 def _mm(node: fx.Node, d: int, size: int) -> Flow:
