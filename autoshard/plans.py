@@ -690,7 +690,6 @@ def _wrong_type(value: Any, expected: str, where: str) -> PlanError:
 # -- explanation ---------------------------------------------------------------------------------------
 
 _TIME_PARTS = ("compute", "comm", "reshard", "recompute", "offload")
-_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "working_set")
 
 
 def _fmt_time(seconds: float) -> str:
@@ -703,6 +702,20 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
+def _peak_formula(mem: dict[str, float]) -> str:
+    """``params + grads + optimizer + activations (+ working set)``, as the peak is modeled: what
+    is saved after the last segment is freed before any segment is recomputed, so the working set
+    only adds on top of the activations without it."""
+    static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
+    held = f"{static} + activations {format_bytes(mem.get('activations', 0.0))}"
+    if not mem.get("working_set"):
+        return held
+    post = mem.get("post_segment", 0.0)
+    return (f"max({held}, ... - {format_bytes(post)} saved after the last segment + working set "
+            f"{format_bytes(mem.get('working_set', 0.0))})") if post else f"{held} + working set " \
+        f"{format_bytes(mem.get('working_set', 0.0))}"
+
+
 def _summary_lines(plan: Plan) -> list[str]:
     budget = "unconstrained" if plan.memory_budget is None else f"{format_bytes(plan.memory_budget)} per device"
     devices = math.prod(plan.mesh_shape)
@@ -712,8 +725,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         f"{len(plan.nodes)} nodes)",
         f"mesh {plan.mesh} ({devices} devices), hardware {plan.hardware.get('name', '?')}, "
         f"memory budget {budget}",
-        "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = " + " + ".join(
-            f"{k.replace('_', ' ')} {format_bytes(mem.get(k, 0.0))}" for k in _MEMORY_PARTS),
+        "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = " + _peak_formula(mem),
         "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(
             f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),
         _comm_line(plan),

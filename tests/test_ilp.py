@@ -139,7 +139,7 @@ def test_formulation_is_exact_at_random_assignments(alias):
             if feasible:
                 objective = _value(m.prob.objective) - _value(handles["tie"])    # as solve() reports it
                 assert objective / T == pytest.approx(t.total, rel=1e-6)
-                assert _value(handles["peak"]) * M == pytest.approx(mem.peak, rel=1e-6)
+                assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.peak, rel=1e-6)
 
 
 def test_counts_readout_matches_the_objective():
@@ -220,3 +220,39 @@ def test_exact_ties_go_to_keep():
     forced = solve(cg, SolverOptions(fixed_decision="offload"))
     assert forced.time.offload == 0 and forced.objective == pytest.approx(sol.objective, rel=1e-9)
     assert sol.objective == pytest.approx(sol.time.total, rel=1e-9)     # the tie-break is not reported
+
+
+# -- activations saved after the last segment are freed before any segment comes back ---------------
+
+def test_post_segment_activations_are_freed_before_recomputation():
+    """The final norm, LM head and loss run their backward before any segment's, so what they saved
+    is gone when a recomputed segment is brought back: with a recomputed segment the peak is
+    static + activations - post_segment + working set, below static + activations + working set by
+    exactly the post-segment saved bytes, in predict and in the ILP's peak rows."""
+    import pulp
+    from autoshard.solver.ilp import M, _build, _value, post_segment_nodes
+    cg = _cost_graph("gpt2-tiny", (2, 2), batch=8)
+    post = post_segment_nodes(cg)
+    order = list(cg.nodes)
+    last = max(i for i, n in enumerate(order) if cg.nodes[n].segment is not None)
+    assert post and all(order.index(n) > last and cg.nodes[n].segment is None for n in post)
+    assert any(cg.nodes[n].costs.saved.max() > 0 for n in post)      # e.g. the log-softmax output
+    keep = solve(cg)
+    segments = list(dict.fromkeys(cg.nodes[n].segment for n in cg.nodes if cg.nodes[n].segment))
+    decisions = {s: "keep" for s in segments}
+    decisions[segments[0]] = "recompute"
+    _, mem = predict(cg, keep.choice, decisions, SolverOptions())
+    post_bytes = sum(cg.nodes[n].costs.saved[keep.choice[n]] for n in post)
+    static = mem.params + mem.grads + mem.optimizer
+    assert mem.post_segment == pytest.approx(post_bytes) and 0 < post_bytes < mem.working_set
+    assert mem.peak == pytest.approx(static + mem.activations + mem.working_set - post_bytes, rel=1e-12)
+    # all kept: no working set, the peak is what is held at the start of backward
+    _, kept = predict(cg, keep.choice, {s: "keep" for s in segments}, SolverOptions())
+    assert kept.working_set == 0 and kept.peak == pytest.approx(static + kept.activations, rel=1e-12)
+    # the ILP's peak rows give the same number at this assignment, and it fits a budget below the old model
+    budget = static + mem.activations + mem.working_set - 0.5 * post_bytes
+    m, handles = _build(cg, SolverOptions(memory_budget=budget))
+    _fix_assignment(m, handles, keep.choice, decisions)
+    m.prob.solve(pulp.HiGHS(msg=False))
+    assert pulp.LpStatus[m.prob.status] == "Optimal"
+    assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.peak, rel=1e-6)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_api import MeshCoordinates
+from .activation_codegen import PARAMETER_FLAG
 
 FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"
 
@@ -193,8 +194,14 @@ class MeshComm(MeshCoordinates):
 
     # -- what generated code calls (``comm.reshard(x, ...)``; see the functions below) ----------
 
-    def reshard(self, x: torch.Tensor, fwd: tuple[Move, ...], bwd: tuple[Move, ...]) -> torch.Tensor:
-        return reshard(x, self, fwd, bwd)
+    def reshard(self, x: torch.Tensor, fwd: tuple[Move, ...], bwd: tuple[Move, ...],
+                parameter: bool = False) -> torch.Tensor:
+        """``parameter``: ``x`` is a parameter shard; its resharded copy (e.g. all-gathered for a
+        consumer, as ZeRO-3 does) is flagged so that activation offload treats it as a parameter."""
+        out = reshard(x, self, fwd, bwd)
+        if parameter:
+            setattr(out, PARAMETER_FLAG, True)
+        return out
 
     def reduce_partial(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         return reduce_partial(x, self, axes)

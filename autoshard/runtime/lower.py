@@ -228,7 +228,7 @@ class _Lowering:
             if entry.src != operand.name:
                 raise LoweringError(f"plan reshards operand {j} of node '{node.name}' from '{entry.src}', "
                                     f"but the graph's operand is '{operand.name}': the plan is for another graph")
-            value = self._reshard(value, entry)
+            value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn)
         axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
         if axes and not (entry is None and operand.name in self.bucketed):
             if entry is not None:
@@ -282,9 +282,11 @@ class _Lowering:
                                 f"{[str(x) for x in s.input_specs]}, the plan says {entry.inputs}; re-plan")
         return s
 
-    def _reshard(self, value: fx.Node, entry: ReshardEntry) -> fx.Node:
-        return self.out.create_node("call_method", "reshard", (self._comm(), value),
-                                    {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))},
+    def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False) -> fx.Node:
+        kwargs = {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))}
+        if parameter:
+            kwargs["parameter"] = True
+        return self.out.create_node("call_method", "reshard", (self._comm(), value), kwargs,
                                     name=f"{entry.src}_{entry.dst_spec}".lower().replace("+", "p"))
 
     def _comm(self) -> fx.Node:

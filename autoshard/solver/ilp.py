@@ -15,10 +15,15 @@ Variables
 Objective (seconds per training step): node compute + collectives, resharding on edges,
   recomputation (the segment's forward again), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
-Memory (bytes per device, at the start of backward): parameters + gradients + optimizer state,
-  + activations saved outside segments, + per segment: saved activations if kept, its checkpointed
-  input if recomputed (1/n of it if partitioned over the n devices holding copies), nothing if
-  offloaded, + the working set of the largest segment that is recomputed or offloaded.
+Memory (bytes per device): static = parameters + gradients + optimizer state; activations (held
+  at the start of backward) = activations saved outside segments, + per segment: saved activations
+  if kept, its checkpointed input if recomputed (1/n of it if partitioned over the n devices
+  holding copies), nothing if offloaded; working set = the saved activations of the largest
+  segment that is recomputed or offloaded (brought back in its backward). The backward frees the
+  activations saved after the last segment ("post-segment": unsegmented nodes later in graph order
+  than every segment's nodes, e.g. final norm, LM head, loss) before it reaches any segment, so
+  peak = static + max(activations, activations - post_segment + working_set): two rows, both
+  linear, each bounded by the budget (see :func:`post_segment_nodes`).
 Offload: with device memory separate from the host (``HardwareProfile.device_memory_separate``,
   GPUs), the device->host copy of a segment's saved activations A runs on a side stream during
   the rest of the forward and the host->device copy during the backward, so it costs
@@ -100,10 +105,13 @@ class MemoryPrediction:
     optimizer: float = 0.0
     activations: float = 0.0      # kept activations incl. checkpoints
     working_set: float = 0.0      # largest recomputed/offloaded segment brought back
+    post_segment: float = 0.0     # part of activations saved after the last segment: freed by the
+                                  # backward before any segment's working set is brought back
 
     @property
     def peak(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.working_set
+        static = self.params + self.grads + self.optimizer
+        return static + max(self.activations, self.activations - self.post_segment + self.working_set)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "peak": self.peak}
@@ -292,6 +300,19 @@ def memory_segments(cg: CostGraph) -> list[MemorySegment]:
     return list(by_seg.values())
 
 
+def post_segment_nodes(cg: CostGraph) -> set[str]:
+    """Unsegmented CGNodes later in graph order than every node of a memory segment (final norm, LM
+    head, loss): their backward runs, and frees what they saved, before any segment's backward, so
+    their saved activations are gone when a recomputed or offloaded segment is brought back. Empty
+    when there are no segments."""
+    names = list(cg.nodes)
+    last = max((i for i, n in enumerate(names)
+                if cg.nodes[n].segment is not None and cg.nodes[n].kind == "call_function"), default=None)
+    if last is None:
+        return set()
+    return {n for n in names[last + 1:] if cg.nodes[n].segment is None}
+
+
 def _is_input(cg: CostGraph, node: CGNode) -> bool:
     return cg.graph.is_user_input(node.members[0])
 
@@ -307,12 +328,15 @@ def replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
 
 
 def _memory_and_recompute(m: _Model, objective_terms: list,
-                          budget: float | None) -> tuple[pulp.LpAffineExpression, dict]:
-    """Add memory expressions and segment decisions; returns (peak memory expr, handles for readout).
+                          budget: float | None) -> tuple[list[pulp.LpAffineExpression], dict]:
+    """Add memory expressions and segment decisions; returns (peak terms, handles for readout): the
+    peak is the max of the terms, static + activations and static + activations - post_segment +
+    working set (one term, static + activations + working set, when nothing is saved after the
+    last segment).
 
     ``budget`` (bytes) is the bound the caller puts on the peak, or None when it puts none; it only
     serves to prove that some segment cannot be kept (see :func:`_designated_working_set`)."""
-    static, nonseg_act = _static_and_unsegmented_memory(m)
+    static, nonseg_act, post_act = _static_and_unsegmented_memory(m)
     allowed = _allowed_decisions(m.options, m.cg.hardware.device_memory_separate)
     working = m.var(name="W")
     keep_all = static + nonseg_act           # the memory of keeping every segment
@@ -327,8 +351,12 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
             not_kept.append(nk)
     must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
     _designated_working_set(m, not_kept, working, must_drop)
-    peak = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act) + working
-    return peak, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m)}
+    held = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act)
+    if post_act.upper() <= 0:
+        peaks = [held + working]
+    else:
+        peaks = [held, held - post_act.expr(m) + working]
+    return peaks, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m)}
 
 
 def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> list[str]:
@@ -343,10 +371,12 @@ def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> 
     return allowed
 
 
-def _static_and_unsegmented_memory(m: _Model) -> tuple["_Form", "_Form"]:
-    """Parameters + gradients + optimizer state, and activations saved outside segments (GiB)."""
+def _static_and_unsegmented_memory(m: _Model) -> tuple["_Form", "_Form", "_Form"]:
+    """Parameters + gradients + optimizer state, activations saved outside segments, and the part
+    of those saved after the last segment (:func:`post_segment_nodes`), in GiB."""
     cg, opts = m.cg, m.options
-    static, nonseg_act = _Form(), _Form()
+    post = post_segment_nodes(cg)
+    static, nonseg_act, post_act = _Form(), _Form(), _Form()
     for g in cg.variable_groups():
         node = cg.nodes[g.nodes[0]]
         c = node.costs
@@ -358,7 +388,10 @@ def _static_and_unsegmented_memory(m: _Model) -> tuple["_Form", "_Form"]:
             static.add(g.key, g.count * (c.params + c.grads + opt_state) / M)
         if node.segment is None and np.any(c.saved):
             nonseg_act.add(g.key, g.count * c.saved / M)
-    return static, nonseg_act
+            n_post = sum(n in post for n in g.nodes)
+            if n_post:
+                post_act.add(g.key, n_post * c.saved / M)
+    return static, nonseg_act, post_act
 
 
 @dataclass
@@ -630,12 +663,13 @@ def _build(cg: CostGraph, options: SolverOptions,
     m = _Model(cg, options, allowed=allowed)
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
-    peak, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
+    peaks, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
     handles["tie"] = _keep_tie_break(handles["classes"])
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
-        m.prob += peak <= float(options.memory_budget) / M
-    handles["peak"] = peak
+        for peak in peaks:
+            m.prob += peak <= float(options.memory_budget) / M
+    handles["peaks"] = peaks                 # the peak is their max
     return m, handles
 
 
@@ -660,7 +694,10 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
                    allowed: dict[str, Iterable[int]] | None = None) -> tuple[float, MemoryPrediction]:
     """The smallest per-device peak any plan reaches under ``options`` and ``allowed``."""
     m = _Model(cg, options, allowed=allowed)
-    peak, handles = _memory_and_recompute(m, [], budget=None)   # no budget row here
+    peaks, handles = _memory_and_recompute(m, [], budget=None)   # no budget row here
+    peak = m.var(name="peak")
+    for p in peaks:
+        m.prob += peak >= p
     m.prob += peak
     m.prob.solve(_pulp_solver(options))
     sol = _readout(m, handles, _status(m.prob), 0.0, 0.0)
@@ -670,7 +707,7 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
 def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None) -> str:
     need, mem = minimum_budget(cg, options, allowed)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
-             "activations": mem.activations + mem.working_set}
+             "activations": mem.peak - mem.params - mem.grads - mem.optimizer}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
     return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
             f"{cg.mesh}: the smallest feasible budget is {format_bytes(need)} "
@@ -727,6 +764,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     """Modeled step time and per-device memory of one full assignment (the ILP's objective terms)."""
     mesh_shape, hw = cg.mesh.shape, cg.hardware
     t, mem = TimePrediction(), MemoryPrediction()
+    post = post_segment_nodes(cg)
     for node in cg.nodes.values():
         s = choice[node.name]
         c = node.costs
@@ -740,6 +778,8 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             mem.optimizer += c.params[s] / item * options.optimizer_bytes_per_param
         if node.segment is None:
             mem.activations += c.saved[s]
+            if node.name in post:
+                mem.post_segment += c.saved[s]
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
