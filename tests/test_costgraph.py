@@ -207,23 +207,27 @@ def test_merged_follower_choice_is_the_cheapest(name):
     """The heuristic's contract: per producer strategy, the follower strategy minimising
     resharding (fwd + bwd) plus its own time."""
     cg = graph_of(name, merge=True, alias=False)
-    table = cg.table
-    mesh, hw = table.mesh.shape, table.hardware
-    unmerged = graph_of(name, merge=False, alias=False)
+    mesh, hw = cg.table.mesh.shape, cg.table.hardware
+    for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
+        shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
+
+        def cost(f):
+            d = f.input_specs[0]
+            back = reshard_cost(d, spec, shape, item, mesh, hw) if edge.grad else 0.0
+            return reshard_cost(spec, d, shape, item, mesh, hw) + back + f.total_time
+        best = min(cost(f) for f in cg.table[m].strategies)
+        assert cost(node.member_strategy(m, c)) == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
+def _merged_followers(cg, unmerged):
+    """(node, follower, node strategy, producer output spec under it, the unmerged edge) of every
+    merged follower of ``cg``."""
     for node in cg.nodes.values():
         for m in node.members[1:]:
-            producer = table[m].operand_nodes[0]
+            producer = cg.table[m].operand_nodes[0]
             edge = next(e for e in unmerged.edges if e.dst_member == m)
-            shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
             for c in range(len(node)):
-                spec = node.output_spec(producer, c, edge.src_output)
-
-                def cost(f):
-                    d = f.input_specs[0]
-                    back = reshard_cost(d, spec, shape, item, mesh, hw) if edge.grad else 0.0
-                    return reshard_cost(spec, d, shape, item, mesh, hw) + back + f.total_time
-                best = min(cost(f) for f in table[m].strategies)
-                assert cost(node.member_strategy(m, c)) == pytest.approx(best, rel=1e-12, abs=1e-15)
+                yield node, m, c, node.output_spec(producer, c, edge.src_output), edge
 
 
 @pytest.mark.parametrize("name", LLMS)
@@ -232,32 +236,25 @@ def test_merged_follower_ties_keep_the_producers_layout(name):
     else the fewest resharding steps, then the fewest sharded axes (not the first index): a free
     local split ties with no resharding, but consumers wanting the producer's layout then gather."""
     cg = graph_of(name, merge=True, alias=False)
-    table = cg.table
-    mesh, hw = table.mesh.shape, table.hardware
-    unmerged = graph_of(name, merge=False, alias=False)
+    mesh, hw = cg.table.mesh.shape, cg.table.hardware
     checked = 0
-    for node in cg.nodes.values():
-        for m in node.members[1:]:
-            producer = table[m].operand_nodes[0]
-            edge = next(e for e in unmerged.edges if e.dst_member == m)
-            shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
-            for c in range(len(node)):
-                spec = node.output_spec(producer, c, edge.src_output)
+    for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
+        shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
 
-                def key(f):
-                    d = f.input_specs[0]
-                    cost = reshard_cost(spec, d, shape, item, mesh, hw) + f.total_time
-                    steps = len(reshard_plan(spec, d, shape, item, mesh, hw).steps)
-                    if edge.grad:
-                        cost += reshard_cost(d, spec, shape, item, mesh, hw)
-                        steps += len(reshard_plan(d, spec, shape, item, mesh, hw).steps)
-                    return cost, d != spec, steps, len(d.used_axes())
-                keys = [key(f) for f in table[m].strategies]
-                best = min(k[0] for k in keys)
-                tied = [k[1:] for k in keys if k[0] <= best + max(best * 1e-9, 1e-15)]
-                chosen = key(node.member_strategy(m, c))
-                assert chosen[1:] == min(tied), (node.name, m, c, str(spec))
-                checked += len(tied) > 1
+        def key(f):
+            d = f.input_specs[0]
+            cost = reshard_cost(spec, d, shape, item, mesh, hw) + f.total_time
+            steps = len(reshard_plan(spec, d, shape, item, mesh, hw).steps)
+            if edge.grad:
+                cost += reshard_cost(d, spec, shape, item, mesh, hw)
+                steps += len(reshard_plan(d, spec, shape, item, mesh, hw).steps)
+            return cost, d != spec, steps, len(d.used_axes())
+        keys = [key(f) for f in cg.table[m].strategies]
+        best = min(k[0] for k in keys)
+        tied = [k[1:] for k in keys if k[0] <= best + max(best * 1e-9, 1e-15)]
+        chosen = key(node.member_strategy(m, c))
+        assert chosen[1:] == min(tied), (node.name, m, c, str(spec))
+        checked += len(tied) > 1
     assert checked          # the models do have ties
 
 
