@@ -52,7 +52,8 @@ PLAN_FORMAT_VERSION = 1
 RECOMPUTE = "recompute"
 """Phase of collectives re-run when a recomputed segment's forward runs again in backward."""
 
-_RECOMPUTING = ("recompute", "partitioned")
+MEMORY_DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
+_RECOMPUTING = ("recompute", "partitioned", "selective")   # forward runs again in backward
 _SUMMARY_RESHARDS = 10
 
 
@@ -203,7 +204,9 @@ class Plan:
     Fields: ``fingerprint`` (of the captured graph, checked by :meth:`check`), ``mesh_shape``,
     ``hardware`` (the full profile), ``memory_budget`` (bytes per device, None: unconstrained),
     ``solver_options``; ``nodes`` (graph node name -> :class:`NodePlan`, graph order);
-    ``segments`` (repeated-block instance -> keep / recompute / offload / partitioned);
+    ``segments`` (repeated-block instance -> keep / recompute / offload / partitioned /
+    selective); ``recompute_runs`` (per selective segment, the graph nodes of each checkpoint
+    region it recomputes, see :mod:`autoshard.solver.selective`);
     ``reshards`` (every non-identity resharding, :class:`ReshardEntry`); ``memory`` (predicted
     bytes per device: params, grads, optimizer, activations, working_set, peak); ``time``
     (modeled seconds per step: compute, comm, reshard, recompute, offload, total); ``comm``
@@ -231,6 +234,7 @@ class Plan:
     fallbacks: list[str]
     created: str
     inputs: dict[str, Any] | None = None
+    recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
 
     # ``inputs``: the call signature the graph was captured with (``in_spec``: the pytree spec of
     # ``(args, kwargs)`` as ``treespec_dumps`` writes it; ``leaves``: per leaf ``{"shape", "dtype"}``
@@ -254,6 +258,7 @@ class Plan:
         nodes = {ns.node: _node_plan(cg, ns.node, _strategy(cg, ns.node, choice)) for ns in cg.table}
         reshards = _reshards(cg, choice)
         decisions = {seg: str(d) for seg, d in solution.decisions.items()}
+        runs = _selective_runs(cg, decisions)
         return cls(
             format_version=PLAN_FORMAT_VERSION,
             autoshard_version=__version__,
@@ -268,7 +273,8 @@ class Plan:
             reshards=reshards,
             memory={k: float(v) for k, v in solution.memory.to_dict().items()},
             time={k: float(v) for k, v in solution.time.to_dict().items()},
-            comm=_comm_entries(nodes.values(), reshards, decisions, _partition_gathers(cg, solution)),
+            comm=_comm_entries(nodes.values(), reshards, _recomputed(nodes.values(), decisions, runs),
+                               _partition_gathers(cg, solution)),
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
                                 int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
@@ -276,6 +282,7 @@ class Plan:
             timings={k: float(v) for k, v in (timings or {}).items()},
             fallbacks=list(cg.table.fallbacks),
             inputs=input_signature(cg.graph),
+            recompute_runs=runs,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
 
@@ -354,6 +361,23 @@ class Plan:
                 node.output_specs()
             except SpecError as e:
                 raise PlanError(f"{source}: node '{node.name}' has a malformed spec ({e}). {_REPLAN}.") from None
+        for seg, decision in self.segments.items():
+            if decision not in MEMORY_DECISIONS:
+                raise PlanError(f"{source}: segment '{seg}' has memory decision {decision!r}, not one of "
+                                f"{', '.join(MEMORY_DECISIONS)}. {_REPLAN}.")
+            if decision == "selective" and not self.recompute_runs.get(seg):
+                raise PlanError(f"{source}: segment '{seg}' is selective but the plan lists no run to "
+                                f"recompute there. {_REPLAN}.")
+        unknown = [n for runs in self.recompute_runs.values() for run in runs for n in run if n not in self.nodes]
+        if unknown:
+            raise PlanError(f"{source}: 'recompute_runs' names node(s) {unknown[:3]} the plan does not have. "
+                            f"{_REPLAN}.")
+
+    def memory_regions(self) -> dict[str, tuple[str, str]]:
+        """Graph node -> (region, decision) for every node whose saved activations the plan does not
+        simply keep: the region is the node's segment (recompute, partitioned, offload) or, for a
+        selective segment, the run it is recomputed in (``'<segment>#<run index>'``)."""
+        return _memory_regions(self.nodes.values(), self.segments, self.recompute_runs)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -549,12 +573,45 @@ def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str,
     return out
 
 
-def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decisions: dict[str, str],
+def _selective_runs(cg: "CostGraph", decisions: dict[str, str]) -> dict[str, list[list[str]]]:
+    """Per selective segment, the graph nodes of each run it recomputes."""
+    if "selective" not in decisions.values():
+        return {}
+    from .solver.ilp import memory_segments
+
+    return {seg.name: [list(run.nodes) for run in seg.runs] for seg in memory_segments(cg)
+            if decisions.get(seg.name) == "selective"}
+
+
+def _memory_regions(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict[str, list[list[str]]]
+                    ) -> dict[str, tuple[str, str]]:
+    """See :meth:`Plan.memory_regions`."""
+    run_of = {n: f"{seg}#{i}" for seg, seg_runs in runs.items() for i, run in enumerate(seg_runs) for n in run}
+    out: dict[str, tuple[str, str]] = {}
+    for node in nodes:
+        decision = decisions.get(node.segment or "", "keep")
+        if node.kind != "call_function" or decision == "keep":
+            continue
+        if decision != "selective":
+            out[node.name] = (str(node.segment), decision)
+        elif node.name in run_of:
+            out[node.name] = (run_of[node.name], decision)
+    return out
+
+
+def _recomputed(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict[str, list[list[str]]]
+                ) -> set[str]:
+    """The call_function nodes whose forward runs again in backward (recomputed, partitioned, and
+    the runs of selective segments)."""
+    return {n for n, (_, d) in _memory_regions(nodes, decisions, runs).items() if d in _RECOMPUTING}
+
+
+def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recomputed: set[str],
                   gathers: list[tuple[str, list[int], int]]) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
-    resharding's collective steps, forward and backward; plus, phase ``recompute``, what a
-    recomputed segment runs again (its nodes' forward collectives, the forward reshardings into
-    its nodes) and the all-gathers of partitioned checkpoints."""
+    resharding's collective steps, forward and backward; plus, phase ``recompute``, what runs
+    again in backward (the forward collectives of the ``recomputed`` nodes, the forward
+    reshardings into them) and the all-gathers of partitioned checkpoints."""
     totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:
@@ -562,12 +619,10 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decis
         t[0] += int(nbytes)
         t[1] += 1
 
-    segment_of = {}
     resharded = {(r.dst, r.operand) for r in reshards}
     synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
-        segment_of[node.name] = node.segment
-        again = node.kind == "call_function" and decisions.get(node.segment or "") in _RECOMPUTING
+        again = node.name in recomputed
         for c in node.collectives:
             shared = _shared_gradient_sync(node, c, resharded)
             if shared is not None:        # consumers of one value share its gradient all-reduce
@@ -578,7 +633,7 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], decis
             if again and c.phase == FWD:
                 add(c.kind, c.axes, RECOMPUTE, c.nbytes)
     for r in reshards:
-        again = decisions.get(segment_of.get(r.dst) or "") in _RECOMPUTING
+        again = r.dst in recomputed
         for phase, steps in ((FWD, r.fwd), (BWD, r.bwd)):
             for step in steps:
                 if step.is_collective:

@@ -114,22 +114,28 @@ def _fix_assignment(m, handles, choice, decisions):
 
 
 @pytest.mark.parametrize("alias", [True, False])
-def test_formulation_is_exact_at_random_assignments(alias):
+@pytest.mark.parametrize("hardware", ["h100-nvlink", "cpu-gloo"])
+def test_formulation_is_exact_at_random_assignments(alias, hardware):
     """Every (strategies, decisions) point is feasible in the model exactly when its predicted peak
     fits the budget, at the predicted step time: the count/product linearisation and the working-set
-    cuts neither misprice nor cut off any plan."""
+    cuts neither misprice nor cut off any plan. On cpu-gloo (slow matmuls) the GELU of every block
+    is a selective-recompute run; on h100-nvlink, at this size, none is worth it (and offload is)."""
     import random
     import pulp
-    from autoshard.solver.ilp import DECISIONS, M, T, _build, _value
-    cg = _cost_graph("gpt2-tiny", (2, 2), alias=alias, num_layers=3, batch=8, seq=32)
+    from autoshard.solver.ilp import M, T, _allowed_decisions, _build, _value, memory_segments
+    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32)
     rng = random.Random(0)
-    segments = [s for s in (cg.nodes[n].segment for n in cg.nodes) if s is not None]
+    allowed = _allowed_decisions(SolverOptions(), cg.hardware.device_memory_separate)
+    options = {seg.name: [d for d in allowed if d != "selective" or seg.runs] for seg in memory_segments(cg)}
+    assert ("selective" in options["transformer.h.0"]) == (hardware == "cpu-gloo")
+    drawn = set()
     for trial in range(6):
         choice = {}
         for g in cg.variable_groups():
             s = rng.randrange(len(cg.nodes[g.nodes[0]]))
             choice.update({n: s for n in g.nodes})
-        decisions = {seg: rng.choice(DECISIONS if trial else ("keep",)) for seg in dict.fromkeys(segments)}
+        decisions = {seg: rng.choice(ds if trial else ("keep",)) for seg, ds in options.items()}
+        drawn |= set(decisions.values())
         t, mem = predict(cg, choice, decisions, SolverOptions())
         for slack, feasible in ((1 + 1e-6, True), (0.99, False)):   # 1% of ~1.5 MB: above the tolerance
             m, handles = _build(cg, SolverOptions(memory_budget=mem.peak * slack))
@@ -140,6 +146,7 @@ def test_formulation_is_exact_at_random_assignments(alias):
                 objective = _value(m.prob.objective) - _value(handles["tie"])    # as solve() reports it
                 assert objective / T == pytest.approx(t.total, rel=1e-6)
                 assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.peak, rel=1e-6)
+    assert drawn == set(allowed) - ({"selective"} if hardware != "cpu-gloo" else set())
 
 
 def test_counts_readout_matches_the_objective():

@@ -92,7 +92,8 @@ class _Lowering:
         self.n_consts = 0
         self.cache: dict = {}
         self.bucketed = self._bucketable_params() if bucket_grads else {}
-        self.regions: dict[str, int] = {}      # segment -> region id of its memory decision
+        self.regions: dict[str, int] = {}      # memory region (segment or selective run) -> region id
+        self.region_of = plan.memory_regions()  # graph node -> (region, decision), not-kept nodes only
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
 
     # -- driver ----------------------------------------------------------------------------------
@@ -122,16 +123,16 @@ class _Lowering:
     # -- memory decisions ------------------------------------------------------------------------
 
     def _annotate_memory(self, node: fx.Node, last: fx.Node) -> None:
-        """Mark the nodes generated for ``node`` with its segment's memory decision: a checkpoint
-        region (recompute), a partitioned checkpoint region, or a host-offload region."""
-        segment = self._node_plan(node.name).segment
-        decision = self.plan.segments.get(segment or "", "keep")
-        if decision == "keep":
+        """Mark the nodes generated for ``node`` with its memory region's decision: a checkpoint
+        region (recompute, or one run of a selective segment), a partitioned checkpoint region, or
+        a host-offload region."""
+        if node.name not in self.region_of:
             return
-        if decision not in ("recompute", "partitioned", "offload"):
-            raise LoweringError(f"segment '{segment}' has memory decision {decision!r}, which this runtime "
+        key, decision = self.region_of[node.name]
+        if decision not in ("recompute", "partitioned", "offload", "selective"):
+            raise LoweringError(f"node '{node.name}' has memory decision {decision!r}, which this runtime "
                                 f"cannot apply")
-        region = self.regions.setdefault(segment, len(self.regions))
+        region = self.regions.setdefault(key, len(self.regions))
         new = last.next
         while new is not self.out._root:
             if new.op != "get_attr":

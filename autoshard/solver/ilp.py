@@ -8,18 +8,20 @@ Variables
   n[c, k]      integer in [0, |c|] per class c of identical segments (same decision groups and
                checkpoint edges, so the same costs for every x; without aliasing each segment is its
                own class and n is binary): how many of its segments take memory decision k, over
-               keep / recompute / offload / partitioned, summing to |c|. Which segments of a class
+               keep / recompute / offload / partitioned / selective, summing to |c|. Which segments of a class
                take which decision cannot change cost or memory, so counts replace per-segment
                binaries and remove that symmetry altogether (readout hands the decisions out along
                the block sequence in DECISIONS order).
 Objective (seconds per training step): node compute + collectives, resharding on edges,
-  recomputation (the segment's forward again), offload transfers that the segment's compute
+  recomputation (the segment's forward again, or its runs' forward when selective), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
 Memory (bytes per device): static = parameters + gradients + optimizer state; activations (held
   at the start of backward) = activations saved outside segments, + per segment: saved activations
   if kept, its checkpointed input if recomputed (1/n of it if partitioned over the n devices
-  holding copies), nothing if offloaded; working set = the saved activations of the largest
-  segment that is recomputed or offloaded (brought back in its backward). The backward frees the
+  holding copies), nothing if offloaded, if selective (:mod:`.selective`: only its memory-bound
+  runs recomputed) its saved activations less the runs' plus the runs' stored inputs; working
+  set = the saved activations of the largest segment that is recomputed or offloaded (brought back
+  in its backward), or of the largest run of a selective segment. The backward frees the
   activations saved after the last segment ("post-segment": unsegmented nodes later in graph order
   than every segment's nodes, e.g. final norm, LM head, loss) before it reaches any segment, so
   peak = static + max(activations, activations - post_segment + working_set): two rows, both
@@ -70,14 +72,15 @@ from ..comm import collective_cost
 from ..specs import ShardSpec
 from ..units import format_bytes
 from .costgraph import CGEdge, CGNode, CostGraph
+from .selective import RecomputeRun, recompute_runs
 
-DECISIONS = ("keep", "recompute", "offload", "partitioned")
+DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
 T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
 # ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
 # prefer the plain checkpoint then.
-_TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0}
+_TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0, "selective": 1.0}
 
 
 class InfeasibleBudgetError(ValueError):
@@ -270,11 +273,13 @@ class MemorySegment:
     nodes: list[str]
     saved: np.ndarray | None = None
     ckpt_edges: list[CGEdge] = field(default_factory=list)
+    runs: list[RecomputeRun] = field(default_factory=list)    # what 'selective' recomputes
 
 
 def memory_segments(cg: CostGraph) -> list[MemorySegment]:
     """The segments that get a memory decision, with the edges whose tensors a checkpoint stores
-    (inputs from outside the segment that are not parameters and not shared by several segments)."""
+    (inputs from outside the segment that are not parameters and not shared by several segments)
+    and the runs a selective recomputation re-runs (:func:`~.selective.recompute_runs`)."""
     by_seg: dict[str, MemorySegment] = {}
     for node in cg.nodes.values():
         if node.segment is not None and node.kind == "call_function":
@@ -297,6 +302,8 @@ def memory_segments(cg: CostGraph) -> list[MemorySegment]:
             continue
         seen.add((dst.segment, key))
         by_seg[dst.segment].ckpt_edges.append(e)
+    for name, runs in recompute_runs(cg).items():
+        by_seg[name].runs = runs
     return list(by_seg.values())
 
 
@@ -342,13 +349,12 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
     keep_all = static + nonseg_act           # the memory of keeping every segment
     seg_act, classes, not_kept = [], [], []
     for segs in _segment_classes(m, memory_segments(m.cg)):
-        counts, memory, time_terms, nk, saved = _class_decisions(m, segs, allowed, working)
+        counts, memory, time_terms, bounds, saved = _class_decisions(m, segs, allowed, working)
         seg_act += memory
         objective_terms += time_terms
         classes.append(([s.name for s in segs], counts))
         keep_all = keep_all + saved.scaled(len(segs))
-        if nk is not None:
-            not_kept.append(nk)
+        not_kept += bounds
     must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
     _designated_working_set(m, not_kept, working, must_drop)
     held = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act)
@@ -437,7 +443,9 @@ class _Form:
 class _SegmentForms:
     """A segment's linear quantities (ILP units): saved activations, forward (recompute) and
     backward compute time, its checkpoint in full and partitioned form, and the all-gather time of
-    a partitioned checkpoint."""
+    a partitioned checkpoint; under selective recomputation, what stays held (saved activations
+    outside the runs, and the runs' stored inputs), the runs' forward time and each run's saved
+    activations (one is brought back at a time)."""
 
     saved: _Form
     fwd: _Form
@@ -445,6 +453,9 @@ class _SegmentForms:
     ckpt: _Form
     ckpt_part: _Form
     gather: _Form
+    selective_held: _Form = field(default_factory=_Form)
+    selective_fwd: _Form = field(default_factory=_Form)
+    run_saved: list[_Form] = field(default_factory=list)
 
 
 def _segment_forms(m: _Model, seg: MemorySegment) -> _SegmentForms:
@@ -465,6 +476,18 @@ def _segment_forms(m: _Model, seg: MemorySegment) -> _SegmentForms:
         f.ckpt.add(g, full[index])
         f.ckpt_part.add(g, part[index])
         f.gather.add(g, gather[index])
+    if seg.runs:
+        f.selective_held = f.saved + _Form()
+        for run in seg.runs:
+            saved = _Form()
+            for node, values in run.saved.items():
+                saved.add(m.group_of[node], values / M)
+                f.selective_held.add(m.group_of[node], -values / M)
+            for node, values in run.fwd.items():
+                f.selective_fwd.add(m.group_of[node], values * T)
+            for node, values in run.stored.items():
+                f.selective_held.add(m.group_of[node], values / M)
+            f.run_saved.append(saved)
     return f
 
 
@@ -496,13 +519,15 @@ def _decision_counts(m: _Model, n: int, allowed: list[str]) -> dict[str, object]
 
 
 def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
-                     working) -> tuple[dict, list, list, tuple | None, "_Form"]:
+                     working) -> tuple[dict, list, list, list[tuple], "_Form"]:
     """Decision counts of one class of identical segments, with their memory (GiB) and time (us)
-    terms. Also bounds the working set ``working`` by the class's saved activations when any of its
-    segments is not kept, and returns (u, saved): the 0/1 indicator 'some segment of the class is
-    not kept' and the saved-activation form, or None when the class never sets the working set;
-    last, the saved-activation form of one segment."""
+    terms. Also bounds the working set ``working`` by what a segment of the class brings back in
+    its backward (all its saved activations when recomputed, partitioned or offloaded; one run's
+    when selective), and returns those bounds as (u, form) pairs, u the 0/1 indicator 'some
+    segment of the class takes such a decision'; last, the saved-activation form of one segment."""
     n, f = len(segs), _segment_forms(m, segs[0])
+    if not f.run_saved:                    # nothing a selective recomputation could free here
+        allowed = [k for k in allowed if k != "selective"] or ["keep"]
     counts = _decision_counts(m, n, allowed)
     memory, time_terms = [], []
     keep_saved = None
@@ -517,7 +542,11 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
         ckpt, rec = _products(m, counts["partitioned"], n, [f.ckpt_part, f.fwd + f.gather])
         memory.append(ckpt)
         time_terms.append(rec)
-    resident = {"keep"}                    # decisions that leave the saved activations resident
+    if "selective" in counts:
+        held, rec = _products(m, counts["selective"], n, [f.selective_held, f.selective_fwd])
+        memory.append(held)
+        time_terms.append(rec)
+    resident = {"keep", "selective"}       # decisions that bring no whole segment back in backward
     if "offload" in counts:
         per_gib = M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one GiB
         if m.cg.hardware.device_memory_separate:
@@ -533,33 +562,44 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
             memory.append(saved)
             time_terms.append(per_gib * saved)
             resident.add("offload")
-    if f.saved.upper() <= 0 or set(counts) <= resident:
-        return counts, memory, time_terms, None, f.saved
-    u = _not_kept_indicator(m, counts, n)
-    m.prob += working >= _class_working_set(m, u, f.saved, keep_saved)
-    return counts, memory, time_terms, (u, f.saved), f.saved
+    bounds = []
+    whole = [k for k in counts if k not in resident]
+    if whole and f.saved.upper() > 0:
+        u = _indicator(m, counts, n, whole)
+        bounds.append((u, f.saved))
+        m.prob += working >= _whole_working_set(m, u, f.saved, keep_saved, counts, whole)
+    if "selective" in counts:
+        u = _indicator(m, counts, n, ["selective"])
+        for run in f.run_saved:
+            bounds.append((u, run))
+            m.prob += working >= _products(m, u, 1, [run])[0]
+    return counts, memory, time_terms, bounds, f.saved
 
 
-def _not_kept_indicator(m: _Model, counts: dict, n: int):
-    """1 if some segment of the class is not kept: the constant 1 when keep is not allowed,
-    ``1 - keep`` for a single segment, else a binary ``u`` (u = 0 forces all kept)."""
-    if "keep" not in counts:
+def _indicator(m: _Model, counts: dict, n: int, decisions: list[str]):
+    """1 if some segment of the class takes one of ``decisions``: the constant 1 when the class
+    allows no other, the (binary) count itself for a single segment taking one decision, the sum
+    of the binary counts for a single segment, else a binary ``u`` (u = 0 forces none)."""
+    if set(counts) <= set(decisions):
         return 1
     if n == 1:
-        return 1 - counts["keep"]
+        return counts[decisions[0]] if len(decisions) == 1 else pulp.lpSum(counts[k] for k in decisions)
     u = m.var(0, 1, pulp.LpBinary, name="u")
-    m.prob += pulp.lpSum(v for k, v in counts.items() if k != "keep") <= n * u
+    m.prob += pulp.lpSum(counts[k] for k in decisions) <= n * u
     return u
 
 
-def _class_working_set(m: _Model, u, saved: _Form, keep_saved) -> pulp.LpAffineExpression:
-    """``u * saved``, with u from :func:`_not_kept_indicator`."""
+def _whole_working_set(m: _Model, u, saved: _Form, keep_saved, counts: dict, whole: list[str]
+                       ) -> pulp.LpAffineExpression:
+    """``u * saved``, with u from :func:`_indicator` over the decisions ``whole``."""
     if isinstance(u, pulp.LpVariable):
         (u_saved,) = _products(m, u, 1, [saved])
         return u_saved
-    if keep_saved is None:                  # keep not allowed: u = 1
+    if not isinstance(u, pulp.LpAffineExpression):   # u = 1
         return saved.expr(m)
-    return saved.expr(m) - keep_saved       # one segment: u = 1 - keep, and keep * saved is at hand
+    if keep_saved is not None and set(counts) == {"keep", *whole}:
+        return saved.expr(m) - keep_saved   # one segment: u = 1 - keep, and keep * saved is at hand
+    return pulp.lpSum(_products(m, counts[k], 1, [saved])[0] for k in whole)
 
 
 def _designated_working_set(m: _Model, not_kept: list[tuple], working, must_drop: bool) -> None:
@@ -799,6 +839,15 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         if dec == "keep":
             mem.activations += A
             continue
+        if dec == "selective":
+            if not seg.runs:
+                raise ValueError(f"segment {seg.name!r} has no memory-bound run that selective "
+                                 "recomputation could free; keep or recompute it instead")
+            run_saved = [_at(run.saved, choice) for run in seg.runs]
+            mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
+            mem.working_set = max(mem.working_set, *run_saved)
+            t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
+            continue
         if dec == "offload" and not hw.device_memory_separate:
             mem.activations += A               # host memory is device memory: nothing freed
             t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
@@ -814,3 +863,8 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             bw = hw.host_device_bandwidth
             t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
     return t, mem
+
+
+def _at(per_node: dict[str, np.ndarray], choice: dict[str, int]) -> float:
+    """A run's per-CGNode vector (see :class:`~.selective.RecomputeRun`) at the chosen strategies."""
+    return float(sum(values[choice[node]] for node, values in per_node.items()))

@@ -1,7 +1,8 @@
 """The plan's memory decisions on real ranks, alone and combined with sharding.
 
 Recompute (checkpoint regions), partitioned checkpoints (1/n of replicated region inputs kept,
-all-gathered before recompute) and host offload (saved tensors copied away) leave forward outputs and
+all-gathered before recompute), selective recompute (a checkpoint region per memory-bound run of a
+block) and host offload (saved tensors copied away) leave forward outputs and
 gradients equal to the single-device model's; a plan solved under a tight budget runs exactly the
 collectives it predicts, recomputation included.
 """
@@ -37,17 +38,29 @@ def _graph(name: str):
     return _CACHE[name]
 
 
-def _plan_on_rank0(name: str, **options) -> Plan:
+def _plan_on_rank0(name: str, hardware: str = "h100-nvlink", **options) -> Plan:
     box = [None]
     if dist.get_rank() == 0:
-        box = [autoshard.plan(_graph(name), mesh=(2, 2), hardware="h100-nvlink", **options).to_dict()]
+        box = [autoshard.plan(_graph(name), mesh=(2, 2), hardware=hardware, **options).to_dict()]
     dist.broadcast_object_list(box, 0)
     return Plan.from_dict(box[0])
+
+
+def _selective_runs(name: str) -> dict[str, list[list[str]]]:
+    """Per block, every run of memory-bound nodes as a checkpoint region (worth recomputing or not:
+    the numerics must hold for any of them, views-only and multi-output runs included)."""
+    from autoshard.solver import build_cost_graph
+    from autoshard.solver.selective import memory_bound_runs
+
+    cg = build_cost_graph(autoshard.enumerate_strategies(_graph(name), mesh_shape=(2, 2), hardware="cpu-gloo"))
+    return {seg: [[n.name for n in run] for run in runs] for seg, runs in memory_bound_runs(cg).items()}
 
 
 def _decision_run(name: str, baseline: str, decision: str) -> None:
     plan = _plan_on_rank0(name, baseline=baseline)
     plan.segments = {segment: decision for segment in plan.segments}
+    if decision == "selective":
+        plan.recompute_runs = _selective_runs(name)
     model, _, kwargs = _model(name)
     pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
     reference = copy.deepcopy(model)
@@ -64,17 +77,18 @@ def _decision_run(name: str, baseline: str, decision: str) -> None:
         assert "checkpoint" in pm.code or "saved_tensors_hooks" in pm.code
 
 
-@pytest.mark.parametrize("decision", ["recompute", "partitioned", "offload"])
+@pytest.mark.parametrize("decision", ["recompute", "partitioned", "offload", "selective"])
 @pytest.mark.parametrize("baseline", ["megatron", "zero3"])
 @pytest.mark.parametrize("name", MODELS)
 def test_memory_decision_with_sharding_matches_single_device(name, baseline, decision):
     on_all_ranks(f"{name} {baseline} with every segment {decision}", _decision_run, name, baseline, decision)
 
 
-def _budget_run(name: str, fraction: float) -> None:
-    free = _plan_on_rank0(name)
-    plan = _plan_on_rank0(name, memory_budget=int(free.memory["peak"] * fraction))
+def _budget_run(name: str, fraction: float, hardware: str = "h100-nvlink", expect: str | None = None) -> None:
+    free = _plan_on_rank0(name, hardware)
+    plan = _plan_on_rank0(name, hardware, memory_budget=int(free.memory["peak"] * fraction))
     assert set(plan.segments.values()) - {"keep"}, f"the budget should force recompute/offload: {plan.segments}"
+    assert expect is None or expect in plan.segments.values(), f"expected some {expect}: {plan.segments}"
     model, _, kwargs = _model(name)
     reference = copy.deepcopy(model)
     pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
@@ -104,3 +118,9 @@ def test_budgeted_plan_runs_its_predicted_collectives(name, fraction):
     """Recomputed segments re-run their forward collectives (phase 'recompute'); offloaded ones
     copy exactly the saved-activation bytes the plan counts."""
     on_all_ranks(f"{name} at {fraction:.0%} of the unconstrained peak", _budget_run, name, fraction)
+
+
+def test_budgeted_selective_plan_runs_its_predicted_collectives():
+    """On cpu-gloo a 90% budget makes GPT-2's blocks selective: the GELU runs re-run their forward
+    (and the collectives into them, phase 'recompute') exactly as the plan predicts."""
+    on_all_ranks("gpt2-tiny at 90% on cpu-gloo", _budget_run, "gpt2-tiny", 0.9, "cpu-gloo", "selective")
