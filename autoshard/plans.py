@@ -758,17 +758,18 @@ def _fmt_time(seconds: float) -> str:
 
 
 def _peak_formula(mem: dict[str, float]) -> str:
-    """``params + grads + optimizer + activations (+ working set)``, as the peak is modeled: what
-    is saved after the last segment is freed before any segment is recomputed, so the working set
-    only adds on top of the activations without it."""
+    """``params + grads + optimizer + max(activations, worst rebuild)``, as the peak is modeled:
+    the activations held at the end of forward, or, if higher, those live when the worst segment
+    is rebuilt in backward (only the segments before it still hold theirs); plus the ILP's
+    position-free bound when a segment is rebuilt (see :class:`~autoshard.solver.ilp.MemoryPrediction`)."""
     static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
     held = f"{static} + activations {format_bytes(mem.get('activations', 0.0))}"
     if not mem.get("working_set"):
         return held
-    post = mem.get("post_segment", 0.0)
-    return (f"max({held}, ... - {format_bytes(post)} saved after the last segment + working set "
-            f"{format_bytes(mem.get('working_set', 0.0))})") if post else f"{held} + working set " \
-        f"{format_bytes(mem.get('working_set', 0.0))}"
+    text = (f"{static} + max(activations {format_bytes(mem.get('activations', 0.0))}, at the worst rebuild in "
+            f"backward {format_bytes(mem.get('backward_peak', 0.0))})")
+    return text + f"; the budget bounds {format_bytes(mem.get('bound', 0.0))} (every segment held while the " \
+        f"largest working set, {format_bytes(mem['working_set'])}, is rebuilt)"
 
 
 def _summary_lines(plan: Plan) -> list[str]:

@@ -3,7 +3,7 @@
 GPT-2 (124M, batch 8, seq 1024) on a 2x2 mesh of the ``a100-nvlink`` profile. Budgets run from the
 unconstrained plan's peak down to the smallest feasible budget (``minimum_budget``); each is
 solved on the aliased cost graph. Per budget: modeled step time (by kind), predicted peak,
-the count of each per-segment memory decision (keep / recompute / offload / partitioned) and how
+the count of each per-segment memory decision (keep / recompute / offload / partitioned / selective) and how
 many cost-graph nodes run another strategy than in the unconstrained plan.
 Writes results/solver_budget_sweep.{json,md,png}.
 Run: python bench/solver_budget_sweep.py [--points 10]
@@ -28,7 +28,8 @@ from autoshard.solver import CostGraph, build_cost_graph  # noqa: E402
 from autoshard.solver.ilp import DECISIONS, Solution, SolverOptions, minimum_budget, solve  # noqa: E402
 
 GIB = 2**30
-COLORS = {"keep": "#4c72b0", "recompute": "#dd8452", "offload": "#55a868", "partitioned": "#c44e52"}
+COLORS = {"keep": "#4c72b0", "recompute": "#dd8452", "offload": "#55a868", "partitioned": "#c44e52",
+          "selective": "#8172b3"}
 
 
 def cost_graph(model: str, batch: int, seq: int, mesh: tuple[int, int], hardware: str) -> CostGraph:

@@ -138,14 +138,15 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
         drawn |= set(decisions.values())
         t, mem = predict(cg, choice, decisions, SolverOptions())
         for slack, feasible in ((1 + 1e-6, True), (0.99, False)):   # 1% of ~1.5 MB: above the tolerance
-            m, handles = _build(cg, SolverOptions(memory_budget=mem.peak * slack))
+            m, handles = _build(cg, SolverOptions(memory_budget=mem.bound * slack))
             _fix_assignment(m, handles, choice, decisions)
             m.prob.solve(pulp.HiGHS(msg=False))
             assert (pulp.LpStatus[m.prob.status] == "Optimal") == feasible, (trial, decisions)
             if feasible:
                 objective = _value(m.prob.objective) - _value(handles["tie"])    # as solve() reports it
                 assert objective / T == pytest.approx(t.total, rel=1e-6)
-                assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.peak, rel=1e-6)
+                assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.bound, rel=1e-6)
+                assert mem.peak <= mem.bound * (1 + 1e-12)
     assert drawn == set(allowed) - ({"selective"} if hardware != "cpu-gloo" else set())
 
 
@@ -252,7 +253,7 @@ def test_post_segment_activations_are_freed_before_recomputation():
     post_bytes = sum(cg.nodes[n].costs.saved[keep.choice[n]] for n in post)
     static = mem.params + mem.grads + mem.optimizer
     assert mem.post_segment == pytest.approx(post_bytes) and 0 < post_bytes < mem.working_set
-    assert mem.peak == pytest.approx(static + mem.activations + mem.working_set - post_bytes, rel=1e-12)
+    assert mem.bound == pytest.approx(static + mem.activations + mem.working_set - post_bytes, rel=1e-12)
     # all kept: no working set, the peak is what is held at the start of backward
     _, kept = predict(cg, keep.choice, {s: "keep" for s in segments}, SolverOptions())
     assert kept.working_set == 0 and kept.peak == pytest.approx(static + kept.activations, rel=1e-12)
@@ -262,4 +263,30 @@ def test_post_segment_activations_are_freed_before_recomputation():
     _fix_assignment(m, handles, keep.choice, decisions)
     m.prob.solve(pulp.HiGHS(msg=False))
     assert pulp.LpStatus[m.prob.status] == "Optimal"
-    assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.peak, rel=1e-6)
+    assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.bound, rel=1e-6)
+
+
+
+def test_peak_knows_where_the_rebuilt_segment_sits():
+    """A segment's backward runs after every later segment's, so its rebuilt activations come back
+    while only the earlier segments hold theirs: recomputing the last block peaks at the ILP's
+    bound, recomputing the first one lower, by what the later blocks held (the readout therefore
+    puts rebuilds first)."""
+    cg = _cost_graph("gpt2-tiny", (2, 2), batch=8, num_layers=3)
+    keep = solve(cg)
+    segments = list(dict.fromkeys(cg.nodes[n].segment for n in cg.nodes if cg.nodes[n].segment))
+    first = {s: ("recompute" if s == segments[0] else "keep") for s in segments}
+    last = {s: ("recompute" if s == segments[-1] else "keep") for s in segments}
+    _, m_first = predict(cg, keep.choice, first, SolverOptions())
+    _, m_last = predict(cg, keep.choice, last, SolverOptions())
+    assert m_first.bound == pytest.approx(m_last.bound, rel=1e-12)       # blocks are identical
+    assert m_last.peak == pytest.approx(m_last.bound, rel=1e-12)
+    held_later = sum(cg.nodes[n].costs.saved[keep.choice[n]] for n in cg.nodes
+                     if cg.nodes[n].segment in segments[1:])
+    static = m_first.params + m_first.grads + m_first.optimizer
+    assert held_later > 0 and m_first.backward_peak == pytest.approx(m_first.bound - static - held_later, rel=1e-12)
+    assert m_first.peak == pytest.approx(static + max(m_first.activations, m_first.backward_peak), rel=1e-12)
+    assert m_first.peak < m_first.bound
+    sol = solve(cg, SolverOptions(memory_budget=int(m_first.bound), fixed_decision=None))
+    order = [sol.decisions[s] for s in segments]
+    assert order == sorted(order, key=lambda d: d == "keep"), order     # rebuilt blocks come first

@@ -11,7 +11,7 @@ Variables
                keep / recompute / offload / partitioned / selective, summing to |c|. Which segments of a class
                take which decision cannot change cost or memory, so counts replace per-segment
                binaries and remove that symmetry altogether (readout hands the decisions out along
-               the block sequence in DECISIONS order).
+               the block sequence in READOUT_ORDER, which lowers the real peak below the bound).
 Objective (seconds per training step): node compute + collectives, resharding on edges,
   recomputation (the segment's forward again, or its runs' forward when selective), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
@@ -24,8 +24,13 @@ Memory (bytes per device): static = parameters + gradients + optimizer state; ac
   in its backward), or of the largest run of a selective segment. The backward frees the
   activations saved after the last segment ("post-segment": unsegmented nodes later in graph order
   than every segment's nodes, e.g. final norm, LM head, loss) before it reaches any segment, so
-  peak = static + max(activations, activations - post_segment + working_set): two rows, both
-  linear, each bounded by the budget (see :func:`post_segment_nodes`).
+  peak <= static + max(activations, activations - post_segment + working_set): two rows, both
+  linear, each bounded by the budget (see :func:`post_segment_nodes`). The bound counts every
+  segment as holding its activations while the largest working set is rebuilt; in fact a
+  segment's backward runs after those of every later segment, so only the earlier ones still hold
+  theirs. The counts cannot say where a decision sits, so the ILP keeps the bound, the readout puts
+  the largest rebuilds on the earliest blocks (READOUT_ORDER), and :func:`predict` reports the
+  peak of that placement (``MemoryPrediction.peak``, at most ``.bound``).
 Offload: with device memory separate from the host (``HardwareProfile.device_memory_separate``,
   GPUs), the device->host copy of a segment's saved activations A runs on a side stream during
   the rest of the forward and the host->device copy during the backward, so it costs
@@ -75,6 +80,10 @@ from .costgraph import CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
 
 DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
+READOUT_ORDER = ("recompute", "partitioned", "offload", "selective", "keep")
+"""Where decisions of a class of identical blocks go along the block sequence: the largest
+rebuilds first. A block's saved activations come back in its backward while only the blocks before
+it still hold theirs, so the earliest blocks rebuild with the least memory live."""
 T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
@@ -110,14 +119,25 @@ class MemoryPrediction:
     working_set: float = 0.0      # largest recomputed/offloaded segment brought back
     post_segment: float = 0.0     # part of activations saved after the last segment: freed by the
                                   # backward before any segment's working set is brought back
+    backward_peak: float = 0.0    # activations live at the worst rebuild in backward, given where
+                                  # each decision sits in the block sequence (0: nothing rebuilt)
 
     @property
-    def peak(self) -> float:
+    def bound(self) -> float:
+        """The position-free peak the ILP bounds by the budget: every segment's held activations
+        are counted as live while the largest working set is rebuilt."""
         static = self.params + self.grads + self.optimizer
         return static + max(self.activations, self.activations - self.post_segment + self.working_set)
 
+    @property
+    def peak(self) -> float:
+        """The modeled peak: the end of forward, or the worst rebuild in backward, when a segment's
+        working set comes back while only the segments before it still hold activations (at most
+        :attr:`bound`)."""
+        return self.params + self.grads + self.optimizer + max(self.activations, self.backward_peak)
+
     def to_dict(self) -> dict:
-        return {**self.__dict__, "peak": self.peak}
+        return {**self.__dict__, "peak": self.peak, "bound": self.bound}
 
 
 @dataclass
@@ -526,8 +546,11 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
     when selective), and returns those bounds as (u, form) pairs, u the 0/1 indicator 'some
     segment of the class takes such a decision'; last, the saved-activation form of one segment."""
     n, f = len(segs), _segment_forms(m, segs[0])
-    if not f.run_saved:                    # nothing a selective recomputation could free here
-        allowed = [k for k in allowed if k != "selective"] or ["keep"]
+    if not f.run_saved and "selective" in allowed:   # nothing a selective recomputation could free here
+        if allowed == ["selective"]:
+            raise ValueError(f"segment {segs[0].name!r} has no memory-bound run worth recomputing, so it "
+                             "cannot be selective; fix another decision or let the solver choose")
+        allowed = [k for k in allowed if k != "selective"]
     counts = _decision_counts(m, n, allowed)
     memory, time_terms = [], []
     keep_saved = None
@@ -732,7 +755,8 @@ def _status(prob: pulp.LpProblem) -> str:
 
 def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
                    allowed: dict[str, Iterable[int]] | None = None) -> tuple[float, MemoryPrediction]:
-    """The smallest per-device peak any plan reaches under ``options`` and ``allowed``."""
+    """The smallest per-device budget any plan meets under ``options`` and ``allowed`` (the ILP's
+    bound on the peak, :attr:`MemoryPrediction.bound`), with that plan's memory."""
     m = _Model(cg, options, allowed=allowed)
     peaks, handles = _memory_and_recompute(m, [], budget=None)   # no budget row here
     peak = m.var(name="peak")
@@ -741,13 +765,13 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
     m.prob += peak
     m.prob.solve(_pulp_solver(options))
     sol = _readout(m, handles, _status(m.prob), 0.0, 0.0)
-    return sol.memory.peak, sol.memory
+    return sol.memory.bound, sol.memory
 
 
 def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None) -> str:
     need, mem = minimum_budget(cg, options, allowed)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
-             "activations": mem.peak - mem.params - mem.grads - mem.optimizer}
+             "activations": mem.bound - mem.params - mem.grads - mem.optimizer}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
     return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
             f"{cg.mesh}: the smallest feasible budget is {format_bytes(need)} "
@@ -780,10 +804,11 @@ def _readout(m: _Model, handles: dict, status: str, build: float, solve_s: float
 
 def _read_decisions(handles: dict) -> dict[str, str]:
     """Segment -> decision from the per-class counts: within a class (identical segments, so any
-    order has the same cost) the decisions go along the block sequence in ``DECISIONS`` order."""
+    order has the same cost and bound) the decisions go along the block sequence in
+    ``READOUT_ORDER``."""
     decisions: dict[str, str] = {}
     for names, counts in handles["classes"]:
-        seq = [k for k in handles["allowed"] if k in counts for _ in range(round(_value(counts[k])))]
+        seq = [k for k in READOUT_ORDER if k in counts for _ in range(round(_value(counts[k])))]
         if len(seq) != len(names):
             raise RuntimeError(f"decision counts {seq} do not cover the {len(names)} segments {names}")
         decisions.update(zip(names, seq))
@@ -801,8 +826,9 @@ def _dual_bound(prob: pulp.LpProblem) -> float | None:
 
 def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             options: SolverOptions) -> tuple[TimePrediction, MemoryPrediction]:
-    """Modeled step time and per-device memory of one full assignment (the ILP's objective terms)."""
-    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    """Modeled step time and per-device memory of one full assignment (the ILP's objective terms,
+    and its memory: ``mem.bound`` is what the ILP's peak rows give; ``mem.peak`` also knows where
+    each decision sits in the block sequence, see :class:`MemoryPrediction`)."""
     t, mem = TimePrediction(), MemoryPrediction()
     post = post_segment_nodes(cg)
     for node in cg.nodes.values():
@@ -823,46 +849,69 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
+    nonsegmented = mem.activations
+    per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
     for seg in memory_segments(cg):
+        held_before = mem.activations
         dec = decisions.get(seg.name, "keep")
-        A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
-        F = sum(_forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
-        B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
-        full = part = gather = 0.0
-        for e in seg.ckpt_edges:
-            spec = e.src_specs[e.src_index[choice[e.src]]]
-            nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
-            axes = replicated_axes(spec, mesh_shape)
-            full += nbytes
-            part += nbytes / math.prod(mesh_shape[x] for x in axes)
-            gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
-        if dec == "keep":
-            mem.activations += A
-            continue
-        if dec == "selective":
-            if not seg.runs:
-                raise ValueError(f"segment {seg.name!r} has no memory-bound run that selective "
-                                 "recomputation could free; keep or recompute it instead")
-            run_saved = [_at(run.saved, choice) for run in seg.runs]
-            mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
-            mem.working_set = max(mem.working_set, *run_saved)
-            t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
-            continue
-        if dec == "offload" and not hw.device_memory_separate:
-            mem.activations += A               # host memory is device memory: nothing freed
-            t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
-            continue
-        mem.working_set = max(mem.working_set, A)
-        if dec == "recompute":
-            mem.activations += full
-            t.recompute += F
-        elif dec == "partitioned":
-            mem.activations += part
-            t.recompute += F + gather
-        elif dec == "offload":
-            bw = hw.host_device_bandwidth
-            t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
+        rebuilt = _segment_prediction(cg, seg, dec, choice, t, mem)
+        per_segment.append((mem.activations - held_before, rebuilt))
+    live = nonsegmented - mem.post_segment           # held until the end of backward
+    rebuilds = []
+    for held, rebuilt in per_segment:
+        live += held
+        if rebuilt:
+            rebuilds.append(live + rebuilt)
+    mem.backward_peak = max(rebuilds, default=0.0)
     return t, mem
+
+
+def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],
+                        t: TimePrediction, mem: MemoryPrediction) -> float:
+    """Add one segment's held activations and time under decision ``dec`` to ``t`` and ``mem``;
+    returns the bytes its backward brings back (recomputed or restored), 0 when none."""
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
+    if dec == "keep":
+        mem.activations += A
+        return 0.0
+    if dec == "selective":
+        if not seg.runs:
+            raise ValueError(f"segment {seg.name!r} has no memory-bound run that selective "
+                             "recomputation could free; keep or recompute it instead")
+        run_saved = [_at(run.saved, choice) for run in seg.runs]
+        mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
+        mem.working_set = max(mem.working_set, *run_saved)
+        t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
+        return max(run_saved)
+    if dec == "offload" and not hw.device_memory_separate:
+        mem.activations += A               # host memory is device memory: nothing freed
+        t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
+        return 0.0
+    F = sum(_forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
+    mem.working_set = max(mem.working_set, A)
+    if dec == "offload":
+        B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
+        bw = hw.host_device_bandwidth
+        t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
+        return A
+    full = part = gather = 0.0
+    for e in seg.ckpt_edges:
+        spec = e.src_specs[e.src_index[choice[e.src]]]
+        nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
+        axes = replicated_axes(spec, mesh_shape)
+        full += nbytes
+        part += nbytes / math.prod(mesh_shape[x] for x in axes)
+        gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
+    if dec == "recompute":
+        mem.activations += full
+        t.recompute += F
+    elif dec == "partitioned":
+        mem.activations += part
+        t.recompute += F + gather
+    else:
+        raise ValueError(f"segment {seg.name!r}: unknown memory decision {dec!r}; use one of {', '.join(DECISIONS)}")
+    return A
 
 
 def _at(per_node: dict[str, np.ndarray], choice: dict[str, int]) -> float:
