@@ -51,9 +51,12 @@ Products of a count n (integer in [0, N]) with a linear function of the strategy
 E = sum_g sum_s c[g, s] x[g, s] are linearised per decision group, in disaggregated form:
 K[g, s] = n * x[g, s] with sum_s K[g, s] = n and 0 <= K[g, s] <= N x[g, s], so n * E =
 sum c[g, s] K[g, s]. At integer points K is unique (exact whatever the sign of the term), and per
-group it is the convex hull of the product. The earlier big-M form z >= E - U (1 - b) let a
-fractional b shed most of E in the LP relaxation (root gaps of ~12% under tight budgets, 20 s
-solves for Llama-70B at 80 GiB).
+group it is the convex hull of the product. The decision counts of one class share one such
+disaggregation (:func:`_decision_products`): sum_k K[k, g, s] = N x[g, s] over the decisions k,
+since the counts sum to N; per group that is the convex hull of (decision, strategy) pairs, where
+separate bounds K[k, g, s] <= N x[g, s] let keep and recompute both sit on one strategy. The
+earlier big-M form z >= E - U (1 - b) let a fractional b shed most of E in the LP relaxation (root
+gaps of ~12% under tight budgets, 20 s solves for Llama-70B at 80 GiB).
 
 The working set is a max over non-kept segments: working >= u_c * saved_c per class (u_c: some
 segment of c is not kept), plus the designated-segment inequality of _designated_working_set,
@@ -552,28 +555,26 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
                              "cannot be selective; fix another decision or let the solver choose")
         allowed = [k for k in allowed if k != "selective"]
     counts = _decision_counts(m, n, allowed)
+    separate = m.cg.hardware.device_memory_separate
+    forms = {"keep": [f.saved], "recompute": [f.ckpt, f.fwd], "partitioned": [f.ckpt_part, f.fwd + f.gather],
+             "offload": [f.saved, f.fwd, f.bwd] if separate else [f.saved],
+             "selective": [f.selective_held, f.selective_fwd]}
+    prods = _decision_products(m, counts, n, {k: forms[k] for k in counts})
     memory, time_terms = [], []
     keep_saved = None
     if "keep" in counts:
-        (keep_saved,) = _products(m, counts["keep"], n, [f.saved])
+        (keep_saved,) = prods["keep"]
         memory.append(keep_saved)
-    if "recompute" in counts:
-        ckpt, rec = _products(m, counts["recompute"], n, [f.ckpt, f.fwd])
-        memory.append(ckpt)
-        time_terms.append(rec)
-    if "partitioned" in counts:
-        ckpt, rec = _products(m, counts["partitioned"], n, [f.ckpt_part, f.fwd + f.gather])
-        memory.append(ckpt)
-        time_terms.append(rec)
-    if "selective" in counts:
-        held, rec = _products(m, counts["selective"], n, [f.selective_held, f.selective_fwd])
-        memory.append(held)
-        time_terms.append(rec)
+    for k in ("recompute", "partitioned", "selective"):
+        if k in counts:
+            held, rec = prods[k]
+            memory.append(held)
+            time_terms.append(rec)
     resident = {"keep", "selective"}       # decisions that bring no whole segment back in backward
     if "offload" in counts:
         per_gib = M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one GiB
-        if m.cg.hardware.device_memory_separate:
-            saved, fwd, bwd = _products(m, counts["offload"], n, [f.saved, f.fwd, f.bwd])
+        if separate:
+            saved, fwd, bwd = prods["offload"]
             for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
                 exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
                 m.prob += exposed >= per_gib * saved - phase_compute
@@ -581,7 +582,7 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
         else:
             # Host memory is device memory: the copy frees nothing and nothing hides it. Only
             # offered alone (see _allowed_decisions), so it never shares a class with keep.
-            (saved,) = _products(m, counts["offload"], n, [f.saved])
+            (saved,) = prods["offload"]
             memory.append(saved)
             time_terms.append(per_gib * saved)
             resident.add("offload")
@@ -651,6 +652,49 @@ def _designated_working_set(m: _Model, not_kept: list[tuple], working, must_drop
         bound += _products(m, w, 1, [saved])
     m.prob += pulp.lpSum(weights) == z
     m.prob += working >= pulp.lpSum(bound)
+
+
+def _decision_products(m: _Model, counts: dict, scale: int,
+                       forms: dict[str, list[_Form]]) -> dict[str, list[pulp.LpAffineExpression]]:
+    """``counts[k] * form`` for each decision k and each of its forms, exactly, where the counts
+    are integer variables summing to ``scale`` (or one constant, ``scale``) and each form is a
+    linear function of one-hot strategy choices.
+
+    As in :func:`_products`, per decision group g a variable K[k, g, s] stands for
+    counts[k] * x[g, s], with sum_s K[k, g, s] = counts[k]; but the decisions share one
+    disaggregation, tied to the strategy choice by sum_k K[k, g, s] = scale * x[g, s] (valid
+    because the counts sum to ``scale``; it implies K[k, g, s] <= scale * x[g, s]). At integer
+    points K is still the product. Per group the LP can now only mix integer points: at scale 1 a
+    feasible K is a joint distribution with marginals (counts, x), i.e. the convex combination
+    sum K[k, s] (e_k, e_s, e_k e_s^T) of products, so this is the convex hull of the product of
+    the two one-hot vectors. Bounding each decision's K by scale * x separately (one
+    :func:`_products` per decision) let the LP price keep and recompute on the same cheap strategy
+    while x sat elsewhere (GPT-2 2x2, tight budget, unaliased: from a 0.07% gap at the 300 s limit
+    to optimal in 11 s). Strategies with equal coefficients in every form of every decision share
+    one K."""
+    if not any(isinstance(v, pulp.LpVariable) for v in counts.values()):
+        return {k: _products(m, counts[k], scale, fs) for k, fs in forms.items()}
+    rows = [(k, j) for k in forms for j in range(len(forms[k]))]   # one row per (decision, form)
+    out = {k: [f.constant * counts[k] for f in fs] for k, fs in forms.items()}
+    for g in sorted(set().union(*(f.coef for fs in forms.values() for f in fs))):
+        xs = m.x[g]
+        mat = np.stack([forms[k][j].coef.get(g, np.zeros(len(xs))) for k, j in rows])
+        low = mat.min(axis=1)
+        for (k, j), c in zip(rows, low):
+            out[k][j] += float(c) * counts[k]
+        mat = mat - low[:, None]
+        if not mat.any():
+            continue
+        columns, bucket = np.unique(mat.T, axis=0, return_inverse=True)
+        ks = {k: [m.var(0, scale, name="K") for _ in columns] for k in forms}
+        for k in forms:
+            m.prob += pulp.lpSum(ks[k]) == counts[k]
+        for b in range(len(columns)):
+            m.prob += pulp.lpSum(ks[k][b] for k in forms) == scale * pulp.lpSum(
+                xs[s] for s in np.flatnonzero(bucket.ravel() == b))
+        for i, (k, j) in enumerate(rows):
+            out[k][j] += pulp.lpSum(float(c) * v for c, v in zip(columns[:, i], ks[k]) if c != 0.0)
+    return out
 
 
 def _products(m: _Model, mult, scale: int, forms: list[_Form]) -> list[pulp.LpAffineExpression]:
