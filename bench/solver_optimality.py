@@ -197,7 +197,7 @@ HEADER = ["model", "mesh", "hardware", "budget/device", "autoshard ms (decisions
 
 NOTE = """Step times are the cost model's (seconds per training step, fp32 model on the profile's fp32
 peak, no compute/comm overlap). autoshard may recompute/offload/partition (decisions: K keep, R
-recompute, O offload, P partitioned; one per transformer block); baselines are restrictions of the
+recompute, O offload, P partitioned, S selective; one per transformer block); baselines are restrictions of the
 same cost graph (parameter and input layouts fixed, all other nodes free) solved by the same ILP
 with every block kept, so each is the best plan of its family under the same model. The tight
 budget is 50% of the unconstrained plan's peak (or the minimum budget + 5% when that is lower
