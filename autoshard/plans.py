@@ -259,6 +259,9 @@ class Plan:
         reshards = _reshards(cg, choice)
         decisions = {seg: str(d) for seg, d in solution.decisions.items()}
         runs = _selective_runs(cg, decisions)
+        memory = {k: float(v) for k, v in solution.memory.to_dict().items()}
+        if "offload" in decisions.values():
+            memory["offloaded"] = float(_offloaded_bytes(cg, nodes.values(), decisions, reshards))
         return cls(
             format_version=PLAN_FORMAT_VERSION,
             autoshard_version=__version__,
@@ -271,7 +274,7 @@ class Plan:
             nodes=nodes,
             segments=decisions,
             reshards=reshards,
-            memory={k: float(v) for k, v in solution.memory.to_dict().items()},
+            memory=memory,
             time={k: float(v) for k, v in solution.time.to_dict().items()},
             comm=_comm_entries(nodes.values(), reshards, _recomputed(nodes.values(), decisions, runs),
                                _partition_gathers(cg, solution)),
@@ -571,6 +574,54 @@ def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str,
             if axes:
                 out.append((seg.name, axes, spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize))
     return out
+
+
+def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict[str, str],
+                     reshards: list[ReshardEntry]) -> int:
+    """Bytes per device that host offload copies away in a step: the saved activations of the
+    offloaded segments' nodes, a tensor that several ops of one segment save (RMSNorm's input,
+    saved by pow and mul; rotary tables) counted once, as the offload hooks copy it once.
+
+    The ILP counts such a tensor once per op that saves it (an over-count, so its memory model errs
+    on the safe side); this is the exact figure. A saved operand is the producer's tensor unless the
+    plan reshards it into the consumer (then a tensor of its own); parameters are never offloaded.
+    """
+    from .opinfo import OpInfo
+
+    graph, mesh = cg.graph, cg.mesh
+    resharded = {(r.dst, r.operand) for r in reshards}
+    seen: dict[str, set[tuple]] = defaultdict(set)
+    total = 0
+    for node in nodes:
+        if node.kind != "call_function" or decisions.get(node.segment or "") != "offload":
+            continue
+        total += node.memory["saved"]
+        op = OpInfo(graph.node(node.name), graph, mesh)
+        for saved in op.profile().saved:
+            if saved.source == "input" and not op.operand_is_param(saved.index):
+                key = _saved_operand_key(node.name, saved.index, op.operand_nodes[saved.index], resharded)
+                meta, spec = op.operands[saved.index], node.inputs[saved.index]
+            elif saved.source == "output":
+                key, meta, spec = (node.name, saved.index), op.outputs[saved.index], node.outputs[saved.index]
+            else:
+                continue
+            if key in seen[str(node.segment)]:
+                total -= ShardSpec.parse(spec).local_numel(meta.shape, mesh.shape) * meta.dtype.itemsize
+            seen[str(node.segment)].add(key)
+    return total
+
+
+def _saved_operand_key(consumer: str, index: int, operand: "fx.Node", resharded: set[tuple[str, int]]) -> tuple:
+    """Identity of the tensor a consumer saves for operand ``index``: its own resharded copy, or the
+    producer's output (an element of a multi-output node read through ``getitem`` is that node's
+    output)."""
+    import operator
+
+    if (consumer, index) in resharded:
+        return ("resharded", consumer, index)
+    if operand.target is operator.getitem and isinstance(operand.args[0], type(operand)):
+        return (operand.args[0].name, int(operand.args[1]))
+    return (operand.name, 0)
 
 
 def _selective_runs(cg: "CostGraph", decisions: dict[str, str]) -> dict[str, list[list[str]]]:

@@ -194,6 +194,35 @@ def test_offload_region_bytes(region: list[int], flags: list, device_bytes: int,
     torch.testing.assert_close(out, gm(x), rtol=0, atol=0)
 
 
+class _TwoHeads(nn.Module):
+    """Two linears read one 3D activation: each saves a fresh 2D view of it (the view object dies
+    once packed, its base lives on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8, bias=False), nn.Linear(4, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(x)
+        return self.a(h) + self.b(h)
+
+
+def test_fresh_views_of_one_live_tensor_are_offloaded_once() -> None:
+    gm = fx.symbolic_trace(_TwoHeads())
+    linears = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("a", "b")]
+    for n in linears:
+        n.meta[OFFLOAD_META] = [0, True, True]
+    annotated = apply_memory_annotations(gm)
+    x = torch.randn(2, 3, 4)
+    packed = HOST_OFFLOAD_COUNTER.packed_tensors, HOST_OFFLOAD_COUNTER.packed_bytes
+    out = annotated(x)
+    assert (HOST_OFFLOAD_COUNTER.packed_tensors - packed[0], HOST_OFFLOAD_COUNTER.packed_bytes - packed[1]) \
+        == (1, 2 * 3 * 4 * F32)                       # relu's output, saved (as a 2D view) by both
+    out.sum().backward()
+    torch.testing.assert_close(out, gm(x), rtol=0, atol=0)
+
+
 def test_offloaded_checkpoint_inputs_leave_the_meter() -> None:
     # Checkpoint inputs offloaded with torch's save_on_cpu are not seen by the meter (documented).
     _, kept = _annotated_mlp({0: 0, 1: 0, 2: 0}, {})

@@ -179,7 +179,9 @@ class _HostCopy:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.device = t.device
-        self.source = weakref.ref(t)
+        # The tensor that owns the memory: ops often save a fresh view of a live value (linear saves
+        # its input reshaped to 2D), and that view object dies once packed, while its base lives on.
+        self.source = weakref.ref(t._base if t._base is not None else t)
         self.prefetched: torch.Tensor | None = None
         self.prefetch_done: torch.cuda.Event | None = None
         self.copied: torch.cuda.Event | None = None
@@ -257,8 +259,8 @@ class HostOffloadHooks:
             return delegate_pack(self._outer, t)
         key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
         host_copy = self._copies.get(key)
-        # Once the tensor a copy was made from is freed, its memory (and so the key) can belong to
-        # a new tensor: a copy only stands for tensors saved while its source is alive.
+        # Once the tensor owning the memory a copy was made from is freed, that memory (and so the
+        # key) can belong to a new tensor: a copy only stands for tensors saved while it is alive.
         if host_copy is None or host_copy.source() is None:
             host_copy = _HostCopy(t)
             self._copies[key] = host_copy

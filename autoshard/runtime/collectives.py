@@ -201,6 +201,8 @@ class MeshComm(MeshCoordinates):
         out = reshard(x, self, fwd, bwd)
         if parameter:
             setattr(out, PARAMETER_FLAG, True)
+            if out._base is not None:    # the moves may return a view: views of it (weight.t()) see the base
+                setattr(out._base, PARAMETER_FLAG, True)
         return out
 
     def reduce_partial(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
