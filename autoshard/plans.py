@@ -37,6 +37,8 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
+    import torch.fx as fx
+
     from .capture import CapturedGraph
     from .solver.costgraph import CostGraph
     from .solver.ilp import Solution, SolverOptions
@@ -617,9 +619,11 @@ def _saved_operand_key(consumer: str, index: int, operand: "fx.Node", resharded:
     output)."""
     import operator
 
+    import torch.fx as fx
+
     if (consumer, index) in resharded:
         return ("resharded", consumer, index)
-    if operand.target is operator.getitem and isinstance(operand.args[0], type(operand)):
+    if operand.target is operator.getitem and isinstance(operand.args[0], fx.Node):
         return (operand.args[0].name, int(operand.args[1]))
     return (operand.name, 0)
 
