@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Union
 from .hardware import HardwareError, HardwareProfile
 from .reshard import SPLIT, TO_PARTIAL, ReshardStep, reshard_plan
 from .specs import ShardSpec, SpecError
-from .strategy import BWD, FWD, Strategy
+from .strategy import BWD, FWD, Strategy, local_bytes
+from .solver.ilp import DECISIONS as MEMORY_DECISIONS
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ PLAN_FORMAT_VERSION = 1
 RECOMPUTE = "recompute"
 """Phase of collectives re-run when a recomputed segment's forward runs again in backward."""
 
-MEMORY_DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
 _RECOMPUTING = ("recompute", "partitioned", "selective")   # forward runs again in backward
 _SUMMARY_RESHARDS = 10
 
@@ -367,9 +367,7 @@ class Plan:
             except SpecError as e:
                 raise PlanError(f"{source}: node '{node.name}' has a malformed spec ({e}). {_REPLAN}.") from None
         for seg, decision in self.segments.items():
-            if decision not in MEMORY_DECISIONS:
-                raise PlanError(f"{source}: segment '{seg}' has memory decision {decision!r}, not one of "
-                                f"{', '.join(MEMORY_DECISIONS)}. {_REPLAN}.")
+            _check_decision(seg, decision, f"{source}: ")
             if decision == "selective" and not self.recompute_runs.get(seg):
                 raise PlanError(f"{source}: segment '{seg}' is selective but the plan lists no run to "
                                 f"recompute there. {_REPLAN}.")
@@ -608,7 +606,7 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
             else:
                 continue
             if key in seen[str(node.segment)]:
-                total -= ShardSpec.parse(spec).local_numel(meta.shape, mesh.shape) * meta.dtype.itemsize
+                total -= local_bytes(meta, ShardSpec.parse(spec), mesh.shape)
             seen[str(node.segment)].add(key)
     return total
 
@@ -647,11 +645,18 @@ def _memory_regions(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: 
         decision = decisions.get(node.segment or "", "keep")
         if node.kind != "call_function" or decision == "keep":
             continue
+        _check_decision(str(node.segment), decision)
         if decision != "selective":
             out[node.name] = (str(node.segment), decision)
         elif node.name in run_of:
             out[node.name] = (run_of[node.name], decision)
     return out
+
+
+def _check_decision(segment: str, decision: str, where: str = "") -> None:
+    if decision not in MEMORY_DECISIONS:
+        raise PlanError(f"{where}segment '{segment}' has memory decision {decision!r}, not one of "
+                        f"{', '.join(MEMORY_DECISIONS)}. {_REPLAN}.")
 
 
 def _recomputed(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict[str, list[list[str]]]

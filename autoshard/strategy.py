@@ -143,7 +143,8 @@ def _itemsize(meta: "TensorMeta | None") -> int:
     return 0 if meta is None else meta.dtype.itemsize
 
 
-def _local_bytes(meta: "TensorMeta | None", spec: ShardSpec | None, mesh_shape: Sequence[int]) -> int:
+def local_bytes(meta: "TensorMeta | None", spec: ShardSpec | None, mesh_shape: Sequence[int]) -> int:
+    """Bytes per device of a tensor laid out as ``spec`` on a mesh of ``mesh_shape`` (0 for none)."""
     if meta is None or spec is None:
         return 0
     return spec.local_numel(meta.shape, mesh_shape) * _itemsize(meta)
@@ -245,7 +246,7 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
                                       collective_cost(kind, nbytes, axes, mesh_shape, hw)))
 
     for j, axes in enumerate(out_partial):
-        add("all_reduce", axes, _local_bytes(op.outputs[j], out_specs[j], mesh_shape), FWD, f"out{j}")
+        add("all_reduce", axes, local_bytes(op.outputs[j], out_specs[j], mesh_shape), FWD, f"out{j}")
     out_sharded = set()
     for s in out_specs:
         if s is not None:
@@ -255,7 +256,7 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
             continue
         # Replicated operand, sharded output: each device's gradient is a partial sum.
         axes = [a for a in out_sharded if a not in in_specs[j].used_axes()]
-        add("all_reduce", axes, _local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}")
+        add("all_reduce", axes, local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}")
     for axis, opt in combo:
         for extra in opt.extra:
             add(extra.kind, [axis], extra.nbytes(op, in_specs, out_specs), extra.phase, extra.what)
@@ -264,8 +265,8 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
 
 def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
     mesh_shape = op.mesh.shape
-    return (sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.operands, in_specs))
-            + sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs)))
+    return (sum(local_bytes(m, s, mesh_shape) for m, s in zip(op.operands, in_specs))
+            + sum(local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs)))
 
 
 def _roofline(flops: float, nbytes: int, op: "OpInfo", hw: "HardwareProfile") -> float:
@@ -279,19 +280,19 @@ def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCos
     params = grads = 0
     for j, meta in enumerate(op.operands):
         if op.operand_is_param(j):
-            b = _local_bytes(meta, in_specs[j], mesh_shape)
+            b = local_bytes(meta, in_specs[j], mesh_shape)
             params += b
             grads += b if op.operand_requires_grad(j) else 0
     saved = 0
     for s in profile.saved:
         if s.source == "input":
             if not op.operand_is_param(s.index):
-                saved += _local_bytes(op.operands[s.index], in_specs[s.index], mesh_shape)
+                saved += local_bytes(op.operands[s.index], in_specs[s.index], mesh_shape)
         elif s.source == "output":
-            saved += _local_bytes(op.outputs[s.index], out_specs[s.index], mesh_shape)
+            saved += local_bytes(op.outputs[s.index], out_specs[s.index], mesh_shape)
         else:
             saved += s.nbytes // split
-    outputs = sum(_local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs))
+    outputs = sum(local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs))
     return MemoryCost(params=params, grads=grads, saved=saved, outputs=outputs)
 
 

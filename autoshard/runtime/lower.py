@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -129,9 +129,6 @@ class _Lowering:
         if node.name not in self.region_of:
             return
         key, decision = self.region_of[node.name]
-        if decision not in ("recompute", "partitioned", "offload", "selective"):
-            raise LoweringError(f"node '{node.name}' has memory decision {decision!r}, which this runtime "
-                                f"cannot apply")
         region = self.regions.setdefault(key, len(self.regions))
         new = last.next
         while new is not self.out._root:

@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import pulp
@@ -676,22 +676,16 @@ def _decision_products(m: _Model, counts: dict, scale: int,
         return {k: _products(m, counts[k], scale, fs) for k, fs in forms.items()}
     rows = [(k, j) for k in forms for j in range(len(forms[k]))]   # one row per (decision, form)
     out = {k: [f.constant * counts[k] for f in fs] for k, fs in forms.items()}
-    for g in sorted(set().union(*(f.coef for fs in forms.values() for f in fs))):
-        xs = m.x[g]
-        mat = np.stack([forms[k][j].coef.get(g, np.zeros(len(xs))) for k, j in rows])
-        low = mat.min(axis=1)
+    for low, columns, bucket_x in _strategy_buckets(m, [forms[k][j] for k, j in rows]):
         for (k, j), c in zip(rows, low):
             out[k][j] += float(c) * counts[k]
-        mat = mat - low[:, None]
-        if not mat.any():
+        if columns is None:
             continue
-        columns, bucket = np.unique(mat.T, axis=0, return_inverse=True)
         ks = {k: [m.var(0, scale, name="K") for _ in columns] for k in forms}
         for k in forms:
             m.prob += pulp.lpSum(ks[k]) == counts[k]
-        for b in range(len(columns)):
-            m.prob += pulp.lpSum(ks[k][b] for k in forms) == scale * pulp.lpSum(
-                xs[s] for s in np.flatnonzero(bucket.ravel() == b))
+        for b, x in enumerate(bucket_x):
+            m.prob += pulp.lpSum(ks[k][b] for k in forms) == scale * x
         for i, (k, j) in enumerate(rows):
             out[k][j] += pulp.lpSum(float(c) * v for c, v in zip(columns[:, i], ks[k]) if c != 0.0)
     return out
@@ -711,23 +705,37 @@ def _products(m: _Model, mult, scale: int, forms: list[_Form]) -> list[pulp.LpAf
     if not isinstance(mult, pulp.LpVariable):
         return [mult * f.expr(m) for f in forms]
     out = [f.constant * mult for f in forms]
+    for low, columns, bucket_x in _strategy_buckets(m, forms):
+        for i, c in enumerate(low):
+            out[i] += float(c) * mult
+        if columns is None:
+            continue
+        ks = [m.var(0, scale, name="K") for _ in columns]
+        m.prob += pulp.lpSum(ks) == mult
+        for k, x in zip(ks, bucket_x):
+            m.prob += k <= scale * x
+        for i in range(len(forms)):
+            out[i] += pulp.lpSum(float(c) * k for c, k in zip(columns[:, i], ks) if c != 0.0)
+    return out
+
+
+def _strategy_buckets(m: _Model, forms: list[_Form]) -> Iterable[tuple]:
+    """Per decision group some form depends on, what a product with it needs: ``low[i]``, form i's
+    minimum over the group's strategies; ``columns[b, i]``, form i's coefficient above that minimum
+    for the strategies of bucket b (strategies with equal coefficients in every form share one);
+    ``bucket_x[b]``, the sum of their x. ``columns`` and ``bucket_x`` are None where every form is
+    constant over the group's strategies."""
     for g in sorted(set().union(*(f.coef for f in forms))):
         xs = m.x[g]
         mat = np.stack([f.coef.get(g, np.zeros(len(xs))) for f in forms])
         low = mat.min(axis=1)
-        for i, c in enumerate(low):
-            out[i] += float(c) * mult
         mat = mat - low[:, None]
         if not mat.any():
+            yield low, None, None
             continue
         columns, bucket = np.unique(mat.T, axis=0, return_inverse=True)
-        ks = [m.var(0, scale, name="K") for _ in columns]
-        m.prob += pulp.lpSum(ks) == mult
-        for b, k in enumerate(ks):
-            m.prob += k <= scale * pulp.lpSum(xs[s] for s in np.flatnonzero(bucket.ravel() == b))
-        for i in range(len(forms)):
-            out[i] += pulp.lpSum(float(c) * k for c, k in zip(columns[:, i], ks) if c != 0.0)
-    return out
+        bucket = bucket.ravel()
+        yield low, columns, [pulp.lpSum(xs[s] for s in np.flatnonzero(bucket == b)) for b in range(len(columns))]
 
 
 def _pulp_solver(options: SolverOptions, msg: bool = False):

@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import torch.fx as fx
 
-from ..strategy import FWD
+from ..strategy import FWD, local_bytes
 
 if TYPE_CHECKING:
     from .costgraph import CostGraph
@@ -63,11 +63,9 @@ def recompute_runs(cg: "CostGraph") -> dict[str, list[RecomputeRun]]:
     """Segment -> the runs the ``selective`` decision recomputes there (see the module docstring),
     in graph order; segments where no run is worth recomputing are left out."""
     members: dict[str, list[fx.Node]] = {}
-    for node in cg.graph.graph.nodes:
-        if node.op == "call_function" and node.name in cg.node_of:
-            seg = cg.nodes[cg.node_of[node.name]].segment
-            if seg is not None:
-                members.setdefault(seg, []).append(node)
+    for node, seg in _segmented_nodes(cg):
+        if seg is not None:
+            members.setdefault(seg, []).append(node)
     whole = {seg: _unsharded(cg, nodes) for seg, nodes in members.items()}
     out: dict[str, list[RecomputeRun]] = {}
     for seg, seg_runs in memory_bound_runs(cg).items():
@@ -83,10 +81,7 @@ def memory_bound_runs(cg: "CostGraph") -> dict[str, list[list[fx.Node]]]:
     runs: dict[str, list[list[fx.Node]]] = {}
     current: list[fx.Node] = []
     segment = None
-    for node in cg.graph.graph.nodes:
-        if node.op != "call_function" or node.name not in cg.node_of:
-            continue
-        seg = cg.nodes[cg.node_of[node.name]].segment
+    for node, seg in _segmented_nodes(cg):
         if seg != segment or seg is None or not _recomputable(cg, node):
             if current:
                 runs.setdefault(segment, []).append(current)
@@ -97,6 +92,13 @@ def memory_bound_runs(cg: "CostGraph") -> dict[str, list[list[fx.Node]]]:
     if current:
         runs.setdefault(segment, []).append(current)
     return runs
+
+
+def _segmented_nodes(cg: "CostGraph") -> Iterable[tuple[fx.Node, str | None]]:
+    """The graph's call_function nodes in graph order, each with its segment (None outside any)."""
+    for node in cg.graph.graph.nodes:
+        if node.op == "call_function" and node.name in cg.node_of:
+            yield node, cg.nodes[cg.node_of[node.name]].segment
 
 
 def _recomputable(cg: "CostGraph", node: fx.Node) -> bool:
@@ -138,12 +140,9 @@ def _resident(cg: "CostGraph", node: fx.Node) -> bool:
 def _output_bytes(cg: "CostGraph", host, member: str, c: int) -> float:
     """Bytes per device of ``member``'s (single tensor) output under ``host``'s strategy ``c``."""
     meta = cg.graph.tensor_meta(member)
-    if isinstance(meta, tuple):              # a multi-output node read whole: count every tensor
-        specs = host.member_strategy(member, c).output_specs
-        return float(sum(s.local_numel(m.shape, cg.mesh.shape) * m.dtype.itemsize
-                         for s, m in zip(specs, meta) if m is not None and s is not None))
-    spec = host.output_spec(member, c)
-    return float(spec.local_numel(meta.shape, cg.mesh.shape) * meta.dtype.itemsize)
+    metas = meta if isinstance(meta, tuple) else (meta,)   # a multi-output node read whole: every tensor
+    specs = host.member_strategy(member, c).output_specs
+    return float(sum(local_bytes(m, s, cg.mesh.shape) for m, s in zip(metas, specs)))
 
 
 def _unsharded(cg: "CostGraph", nodes: list[fx.Node]) -> tuple[float, float]:
