@@ -298,6 +298,8 @@ class CostGraph:
         self.node_of = {m: n.name for n in nodes.values() for m in n.members}
         self.build_seconds = 0.0
         self.timings: dict[str, float] = {}
+        # classes of identical blocks (aliased or not), each its blocks in order, each its CGNodes
+        self.identical_blocks: list[list[list[str]]] = []
 
     @property
     def graph(self) -> CapturedGraph:
@@ -497,8 +499,10 @@ def build_cost_graph(table: StrategyTable, *, merge_followers: bool = True,
     edges = b.edges()
     t_edges = time.perf_counter()
     cg = CostGraph(table, b.nodes, edges, merged=merge_followers, aliased=alias_blocks)
+    classes = _identical_blocks(cg, b)
+    cg.identical_blocks = [blocks for _, blocks in classes]
     if alias_blocks:
-        _alias_blocks(cg, b)
+        _alias_blocks(cg, classes)
     end = time.perf_counter()
     cg.build_seconds = end - start
     cg.timings = {"nodes_s": t_nodes - start, "merge_s": t_merge - t_nodes,
@@ -852,10 +856,10 @@ def _combine(host: Strategy, follower: Strategy, rt: ReshardTable, out_spec: Sha
 
 # -- aliasing ----------------------------------------------------------------------------------------
 
-def _alias_blocks(cg: CostGraph, b: _Builder) -> None:
-    """Give the k-th CGNode of every block identical to an earlier one the key ``<prefix>.*/<k>``
-    (the first class of identical blocks of a prefix) or ``<prefix>.*<i>/<k>`` (a later class,
-    ``i`` its first block index)."""
+def _identical_blocks(cg: CostGraph, b: _Builder) -> list[tuple[str, list[list[str]]]]:
+    """Classes of identical blocks, each with its alias key prefix ``<prefix>.*`` (the first class
+    of a prefix) or ``<prefix>.*<i>`` (a later class, ``i`` its first block index) and its blocks in
+    order, each the list of its CGNodes (the k-th node of every block plays the same part)."""
     blocks: dict[str, dict[int, list[str]]] = {}
     for n in cg.nodes.values():
         blk = b.blocks[n.members[0]]
@@ -864,6 +868,7 @@ def _alias_blocks(cg: CostGraph, b: _Builder) -> None:
     in_edges: dict[str, list[CGEdge]] = {}
     for e in cg.edges:
         in_edges.setdefault(e.dst, []).append(e)
+    out = []
     for prefix, by_index in blocks.items():
         classes: dict[tuple, list[int]] = {}
         for idx in sorted(by_index):
@@ -872,9 +877,16 @@ def _alias_blocks(cg: CostGraph, b: _Builder) -> None:
         ordered = sorted((v for v in classes.values() if len(v) > 1), key=lambda v: v[0])
         for rank, indices in enumerate(ordered):
             tag = "*" if rank == 0 and indices[0] == min(by_index) else f"*{indices[0]}"
-            for idx in indices:
-                for k, name in enumerate(by_index[idx]):
-                    cg.nodes[name].alias = f"{prefix}.{tag}/{k}" if prefix else f"{tag}/{k}"
+            out.append((f"{prefix}.{tag}" if prefix else tag, [by_index[idx] for idx in indices]))
+    return out
+
+
+def _alias_blocks(cg: CostGraph, classes: list[tuple[str, list[list[str]]]]) -> None:
+    """Give the k-th CGNode of every block of a class the key ``<class key>/<k>``."""
+    for key, blocks in classes:
+        for names in blocks:
+            for k, name in enumerate(names):
+                cg.nodes[name].alias = f"{key}/{k}"
 
 
 def _block_signature(cg: CostGraph, b: _Builder, names: list[str],

@@ -62,6 +62,10 @@ The working set is a max over non-kept segments: working >= u_c * saved_c per cl
 segment of c is not kept), plus the designated-segment inequality of _designated_working_set,
 which makes the LP pay for whole segments once the budget rules out keeping every segment.
 
+Without aliasing, identical blocks carry their own variables and any plan has equal-cost copies
+with block configurations swapped; :mod:`.symmetry` adds rows that order the blocks' decisions
+where their boundaries agree (``SolverOptions.break_symmetry``), so branch-and-bound proves one copy.
+
 Units inside the ILP are microseconds and GiB, so that coefficients stay within a few orders of
 magnitude of 1 (byte-valued big-M rows next to binaries make HiGHS report false infeasibility);
 everything outside is seconds and bytes.
@@ -81,6 +85,7 @@ from ..specs import ShardSpec
 from ..units import format_bytes
 from .costgraph import CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
+from .symmetry import order_identical_blocks
 
 DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
 READOUT_ORDER = ("recompute", "partitioned", "offload", "selective", "keep")
@@ -109,6 +114,7 @@ class SolverOptions:
     gap_rel: float = 0.0
     threads: int | None = None
     fixed_decision: str | None = None         # force one memory decision on every segment (baselines)
+    break_symmetry: bool = True               # order decisions of identical unaliased blocks (.symmetry)
 
 
 @dataclass
@@ -780,12 +786,26 @@ def _build(cg: CostGraph, options: SolverOptions,
     objective_terms += _edge_time_terms(m)
     peaks, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
     handles["tie"] = _keep_tie_break(handles["classes"])
+    handles["symmetry_rows"] = _break_block_symmetry(m, handles["classes"]) if options.break_symmetry else 0
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
         for peak in peaks:
             m.prob += peak <= float(options.memory_budget) / M
     handles["peaks"] = peaks                 # the peak is their max
     return m, handles
+
+
+def _break_block_symmetry(m: _Model, classes: list) -> int:
+    """Order the memory decisions of identical blocks that do not share variables (aliasing off):
+    see :mod:`.symmetry`. Returns the number of rows added."""
+    unaliased = any(m.group_of[blocks[0][0]] != m.group_of[blocks[1][0]] for blocks in m.cg.identical_blocks)
+    singles = {names[0]: counts for names, counts in classes
+               if len(names) == 1 and any(isinstance(v, pulp.LpVariable) for v in counts.values())}
+    if not unaliased or not singles:
+        return 0
+    forms = {seg.name: _segment_forms(m, seg) for seg in memory_segments(m.cg)}
+    rank = {k: len(READOUT_ORDER) - i for i, k in enumerate(READOUT_ORDER)}
+    return order_identical_blocks(m, forms, singles, rank)
 
 
 def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
