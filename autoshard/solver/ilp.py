@@ -377,12 +377,14 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
     working = m.var(name="W")
     keep_all = static + nonseg_act           # the memory of keeping every segment
     seg_act, classes, not_kept = [], [], []
+    segment_forms: dict[str, _SegmentForms] = {}
     for segs in _segment_classes(m, memory_segments(m.cg)):
-        counts, memory, time_terms, bounds, saved = _class_decisions(m, segs, allowed, working)
+        counts, memory, time_terms, bounds, forms = _class_decisions(m, segs, allowed, working)
         seg_act += memory
         objective_terms += time_terms
         classes.append(([s.name for s in segs], counts))
-        keep_all = keep_all + saved.scaled(len(segs))
+        keep_all = keep_all + forms.saved.scaled(len(segs))
+        segment_forms[segs[0].name] = forms
         not_kept += bounds
     must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
     _designated_working_set(m, not_kept, working, must_drop)
@@ -391,7 +393,8 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
         peaks = [held + working]
     else:
         peaks = [held, held - post_act.expr(m) + working]
-    return peaks, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m)}
+    return peaks, {"classes": classes, "allowed": allowed, "working": working, "static": static.expr(m),
+                   "segment_forms": segment_forms}
 
 
 def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> list[str]:
@@ -548,12 +551,12 @@ def _decision_counts(m: _Model, n: int, allowed: list[str]) -> dict[str, object]
 
 
 def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
-                     working) -> tuple[dict, list, list, list[tuple], "_Form"]:
+                     working) -> tuple[dict, list, list, list[tuple], _SegmentForms]:
     """Decision counts of one class of identical segments, with their memory (GiB) and time (us)
     terms. Also bounds the working set ``working`` by what a segment of the class brings back in
     its backward (all its saved activations when recomputed, partitioned or offloaded; one run's
     when selective), and returns those bounds as (u, form) pairs, u the 0/1 indicator 'some
-    segment of the class takes such a decision'; last, the saved-activation form of one segment."""
+    segment of the class takes such a decision'; last, the forms of its first segment."""
     n, f = len(segs), _segment_forms(m, segs[0])
     if not f.run_saved and "selective" in allowed:   # nothing a selective recomputation could free here
         if allowed == ["selective"]:
@@ -603,7 +606,7 @@ def _class_decisions(m: _Model, segs: list[MemorySegment], allowed: list[str],
         for run in f.run_saved:
             bounds.append((u, run))
             m.prob += working >= _products(m, u, 1, [run])[0]
-    return counts, memory, time_terms, bounds, f.saved
+    return counts, memory, time_terms, bounds, f
 
 
 def _indicator(m: _Model, counts: dict, n: int, decisions: list[str]):
@@ -786,7 +789,7 @@ def _build(cg: CostGraph, options: SolverOptions,
     objective_terms += _edge_time_terms(m)
     peaks, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
     handles["tie"] = _keep_tie_break(handles["classes"])
-    handles["symmetry_rows"] = _break_block_symmetry(m, handles["classes"]) if options.break_symmetry else 0
+    handles["symmetry_rows"] = _break_block_symmetry(m, handles) if options.break_symmetry else 0
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
         for peak in peaks:
@@ -795,17 +798,16 @@ def _build(cg: CostGraph, options: SolverOptions,
     return m, handles
 
 
-def _break_block_symmetry(m: _Model, classes: list) -> int:
+def _break_block_symmetry(m: _Model, handles: dict) -> int:
     """Order the memory decisions of identical blocks that do not share variables (aliasing off):
-    see :mod:`.symmetry`. Returns the number of rows added."""
-    unaliased = any(m.group_of[blocks[0][0]] != m.group_of[blocks[1][0]] for blocks in m.cg.identical_blocks)
-    singles = {names[0]: counts for names, counts in classes
-               if len(names) == 1 and any(isinstance(v, pulp.LpVariable) for v in counts.values())}
-    if not unaliased or not singles:
+    see :mod:`.symmetry`. Only where every class is a single segment (no aliasing anywhere), so
+    that every segment's forms are at hand. Returns the number of rows added."""
+    classes = handles["classes"]
+    if any(len(names) > 1 for names, _ in classes) or not m.cg.identical_blocks:
         return 0
-    forms = {seg.name: _segment_forms(m, seg) for seg in memory_segments(m.cg)}
+    counts = {names[0]: c for names, c in classes if any(isinstance(v, pulp.LpVariable) for v in c.values())}
     rank = {k: len(READOUT_ORDER) - i for i, k in enumerate(READOUT_ORDER)}
-    return order_identical_blocks(m, forms, singles, rank)
+    return order_identical_blocks(m, handles["segment_forms"], counts, rank)
 
 
 def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
