@@ -10,7 +10,9 @@ is 'optimal'; the aliased objective is within 1% of the unaliased one.
 
 Budgets: the profile's memory per device, and a tight one: 50% of the unconstrained plan's peak
 when autoshard can meet it, else the smallest feasible budget + 5%.
-Run: python bench/solver_optimality.py [--quick] [--time-limit 300]
+The unaliased reference solve gets its own, longer limit (``--reference-time-limit``, 1800 s): it is
+the yardstick, and the hardest case (GPT-2 2x4 multinode, tight budget) needs ~13 min to close.
+Run: python bench/solver_optimality.py [--quick] [--time-limit 300] [--reference-time-limit 1800]
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ def tight_budget(cg: CostGraph, free: Solution, options: SolverOptions) -> tuple
 
 
 def run_case(case: ModelCase, mesh: tuple[int, int], hardware: str, cache: dict, failures: list[str],
-             time_limit: float) -> list[dict]:
+             time_limit: float, reference_time_limit: float) -> list[dict]:
     cg, cg_flat = graphs(case, mesh, hardware, cache)
     base = SolverOptions(time_limit=time_limit)
     free = solve(cg, base)
@@ -136,14 +138,15 @@ def run_case(case: ModelCase, mesh: tuple[int, int], hardware: str, cache: dict,
         opts = replace(base, memory_budget=int(budget))
         t0 = time.perf_counter()
         aliased = solve(cg, opts)
-        flat = solve(cg_flat, opts)
+        flat = solve(cg_flat, replace(opts, time_limit=reference_time_limit))
         rec = {"model": case.label, "preset": case.preset, "batch": case.batch, "seq": case.seq,
                "overrides": dict(case.overrides), "mesh": f"{mesh[0]}x{mesh[1]}", "hardware": hardware,
                "budget": budget, "budget_kind": why, "aliased": summary(cg, aliased),
                "unaliased": summary(cg_flat, flat),
                "alias_gap": aliased.objective / flat.objective - 1.0,
                "baselines": {name: run_baseline(cg, name, opts) for name in BASELINES},
-               "graph": cg.stats(), "time_limit": opts.time_limit, "wall_s": 0.0}
+               "graph": cg.stats(), "time_limit": opts.time_limit,
+               "reference_time_limit": reference_time_limit, "wall_s": 0.0}
         rec["wall_s"] = time.perf_counter() - t0
         check(rec, failures)
         records.append(rec)
@@ -158,7 +161,7 @@ def check(rec: dict, failures: list[str]) -> None:
     where = f"{rec['model']} {rec['mesh']} {rec['hardware']} {format_bytes(rec['budget'])}"
     if rec["unaliased"]["status"] != "optimal":
         failures.append(f"{where}: unaliased solve status {rec['unaliased']['status']!r}, not 'optimal' "
-                        f"(HiGHS stopped at the {rec['time_limit']:.0f} s time limit with an open gap)")
+                        f"(HiGHS stopped at the {rec['reference_time_limit']:.0f} s time limit with an open gap)")
     if rec["alias_gap"] > ALIAS_GAP:
         failures.append(f"{where}: aliased objective {rec['alias_gap']:.2%} above the unaliased one")
     auto = rec["aliased"]["objective_s"]
@@ -245,13 +248,16 @@ def markdown_note(records: list[dict], notes: list[str], failures: list[str]) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="2x2 h100-nvlink only")
-    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per ILP solve")
+    ap.add_argument("--time-limit", type=float, default=300.0,
+                    help="seconds per ILP solve (aliased plan, baselines)")
+    ap.add_argument("--reference-time-limit", type=float, default=1800.0,
+                    help="seconds for the unaliased reference solve, which must reach 'optimal'")
     a = ap.parse_args()
     setups = SETUPS[:1] if a.quick else SETUPS
     cache: dict = {}
     failures: list[str] = []
     records = [r for case in MODELS for mesh, hw in setups
-               for r in run_case(case, mesh, hw, cache, failures, a.time_limit)]
+               for r in run_case(case, mesh, hw, cache, failures, a.time_limit, a.reference_time_limit)]
     notes = sorted({n for r in records for b in r["baselines"].values() for n in b.get("notes", ())})
     write("solver_optimality", {"records": records, "failures": failures, "baseline_notes": notes},
           HEADER, [row(r) for r in records], note=markdown_note(records, notes, failures))
