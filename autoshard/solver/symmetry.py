@@ -21,6 +21,8 @@ readout wants: the largest rebuilds on the earliest blocks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pulp
 
@@ -98,8 +100,12 @@ def _boundary_positions(cg: CostGraph, blocks: list[list[str]], groups: list[lis
 
 
 def _forms(f) -> list:
-    return [f.saved, f.fwd, f.bwd, f.ckpt, f.ckpt_part, f.gather, f.selective_held, f.selective_fwd,
-            *f.run_saved]
+    """Every form of a _SegmentForms, by its dataclass fields (a field added there is compared too)."""
+    out = []
+    for fld in dataclasses.fields(f):
+        value = getattr(f, fld.name)
+        out += value if isinstance(value, list) else [value]
+    return out
 
 
 def _external_pairs(m, fa, fb, own_a: list[str], own_b: list[str]):
