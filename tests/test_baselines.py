@@ -63,6 +63,26 @@ def test_data_parallel_replicates_params_and_shards_batch(name):
     assert set(inputs.values()) == {"S01R"}
 
 
+@pytest.mark.parametrize("name", LLMS + ["bert-tiny"])
+def test_data_parallel_carries_the_batch_sharding_through_every_matmul(name):
+    """DDP's program: every parameter-reading matmul computes on the batch shard (no input is
+    gathered to run replicated) and activations are not resharded between ops; what may move is
+    a small mask (the index op reads its tensor replicated) and the graph's outputs."""
+    cg = graph(name)
+    sol = baseline(name, "data_parallel").solution
+    matmuls = [n for n in cg.nodes.values()
+               if any(m.startswith(("linear", "addmm")) for m in n.members[:1])]
+    assert matmuls
+    for node in matmuls:
+        strategy = node.strategies[sol.choice[node.name]]
+        assert strategy.split == 4, (node.name, strategy.name)
+        assert strategy.output_specs[0].dims[0] == (0, 1), (node.name, strategy.name)
+    moved = [e for e in cg.edges if cg.nodes[e.dst].kind != "output"
+             and e.cost_of(sol.choice[e.src], sol.choice[e.dst]) > 0]
+    assert all(e.tensor.nbytes <= 4096 for e in moved), \
+        [(e.src_member, e.dst_member, e.tensor.shape) for e in moved]
+
+
 def test_data_parallel_on_a_1d_mesh_shards_over_the_non_trivial_axis():
     cg = graph("gpt2-tiny", (1, 4))
     r = data_parallel(cg)

@@ -11,7 +11,9 @@ and one that flatters the baselines rather than the solver.
 Families (``mesh_shape`` is 2D; axes of size 1 never shard):
 
 - :func:`data_parallel`: every parameter replicated; every user input sharded on its batch dim
-  (dim 0) over all mesh axes of size > 1 (``S01`` on a 2D mesh, ``S1`` on ``(1, n)``).
+  (dim 0) over all mesh axes of size > 1 (``S01`` on a 2D mesh, ``S1`` on ``(1, n)``); every
+  other node reads its operands as produced (no resharding), so the batch sharding carries
+  through the graph: DDP's program.
 - :func:`megatron`: Megatron-LM tensor parallelism on ``tp_axis`` (default 1, the fast
   intra-node axis) with data parallelism on the other axis. Column-parallel linears shard their
   output features, row-parallel ones their input features (bias replicated), token embeddings
@@ -86,11 +88,13 @@ COLUMN, ROW = "column", "row"
 
 
 class Restriction(NamedTuple):
-    """A baseline as a restriction: CGNode name -> allowed strategy indices, and notes on every
-    place where the hand plan could not be followed (or was followed in a non-obvious way)."""
+    """A baseline as a restriction: CGNode name -> allowed strategy indices, notes on every
+    place where the hand plan could not be followed (or was followed in a non-obvious way), and
+    whether edges may reshard (see :func:`~autoshard.solver.ilp.solve`)."""
 
     allowed: dict[str, list[int]]
     notes: list[str]
+    reshard: bool = True
 
 
 class BaselineResult(NamedTuple):
@@ -223,13 +227,30 @@ def _meta_ndim(cg: CostGraph, node: CGNode) -> int:
 # -- data parallel -----------------------------------------------------------------------------------
 
 def data_parallel(cg: CostGraph) -> Restriction:
-    """Parameters replicated, inputs batch-sharded over every mesh axis of size > 1."""
+    """The program DDP runs: parameters replicated, inputs batch-sharded over every mesh axis of
+    size > 1, and every op reading its operands in the layout their producer gives them (no
+    resharding anywhere but into the graph's outputs), so the batch sharding carries through the
+    whole graph and the only collectives are the gradient all-reduces (bucketed by the runtime)
+    and what an op needs to give a global value (a batch-sharded loss's token count)."""
     plan = _Plan(cg, "data_parallel")
     for node in parameter_nodes(cg):
         plan.require(node, _spec(_meta_ndim(cg, node)))
     for node in input_nodes(cg):
         plan.batch_shard(node, _axes(cg.mesh.shape))
-    return plan.restriction()
+    _without_internal_resharding(plan)
+    return plan.restriction()._replace(reshard=False)
+
+
+def _without_internal_resharding(plan: _Plan) -> None:
+    """Restrict every free node that merges followers to strategies that move nothing between its
+    members (the edges between nodes are held by the ILP's ``reshard=False`` rows)."""
+    for node in plan.cg.nodes.values():
+        if node.name in plan.allowed or len(node.members) == 1:
+            continue
+        c = node.costs
+        still = [s for s in range(len(node)) if c.reshard_fwd[s] == 0 and c.reshard_bwd[s] == 0]
+        if len(still) < len(node):
+            plan.allowed[node.name] = still
 
 
 # -- ZeRO-3 ------------------------------------------------------------------------------------------
@@ -423,11 +444,11 @@ def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOpti
     ``keep``). Raises :class:`~autoshard.solver.ilp.InfeasibleBudgetError` when no plan of the
     family fits the budget (use :func:`baseline_minimum_budget` for the smallest that does)."""
     r = restriction(cg, name, **kwargs)
-    return BaselineResult(solve(cg, _keep(options), allowed=r.allowed), r.notes, r.allowed)
+    return BaselineResult(solve(cg, _keep(options), allowed=r.allowed, reshard=r.reshard), r.notes, r.allowed)
 
 
 def baseline_minimum_budget(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),
                             **kwargs) -> float:
     """The smallest per-device peak (bytes) any plan of baseline family ``name`` reaches."""
     r = restriction(cg, name, **kwargs)
-    return minimum_budget(cg, _keep(options), r.allowed)[0]
+    return minimum_budget(cg, _keep(options), r.allowed, r.reshard)[0]

@@ -95,6 +95,7 @@ it still hold theirs, so the earliest blocks rebuild with the least memory live.
 T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
+RESHARD_PENALTY = 1e3  # solve(reshard=False): edge resharding weighs this much more than its time
 # ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
 # prefer the plain checkpoint then.
 _TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0, "selective": 1.0}
@@ -197,9 +198,11 @@ class _Model:
     """The PuLP problem plus helpers to express per-strategy quantities linearly."""
 
     def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize,
-                 allowed: dict[str, Iterable[int]] | None = None):
+                 allowed: dict[str, Iterable[int]] | None = None, reshard: bool = True):
         self.cg = cg
         self.options = options
+        self.reshard = reshard       # False: resharding on edges (but into the outputs) is penalised
+        self.unreported: list = []   # objective terms left out of the reported objective (tie-breaks)
         self.prob = pulp.LpProblem("autoshard", sense)
         self.x: dict[str, list] = {}              # group key -> list of binaries (or None if fixed)
         self.group_of: dict[str, str] = {}        # CGNode name -> group key
@@ -268,19 +271,21 @@ def _edge_time_terms(m: _Model) -> list:
         src_marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
         dst_marg = _marginals(m, e.dst, e.dst_index, len(e.dst_specs))
         if len(e.src_specs) == 1:
-            terms.append(eg.count * pulp.lpSum(float(cost[0, b]) * dst_marg[b] for b in range(len(e.dst_specs))))
-            continue
-        if len(e.dst_specs) == 1:
-            terms.append(eg.count * pulp.lpSum(float(cost[a, 0]) * src_marg[a] for a in range(len(e.src_specs))))
-            continue
-        y = [[m.var(0.0, 1.0, name="y") for _ in e.dst_specs] for _ in e.src_specs]
-        for a in range(len(e.src_specs)):
-            m.prob += pulp.lpSum(y[a]) == src_marg[a]
-        for b in range(len(e.dst_specs)):
-            m.prob += pulp.lpSum(y[a][b] for a in range(len(e.src_specs))) == dst_marg[b]
-        terms.append(eg.count * pulp.lpSum(float(cost[a, b]) * y[a][b]
-                                           for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))
-                                           if cost[a, b] != 0.0))
+            term = eg.count * pulp.lpSum(float(cost[0, b]) * dst_marg[b] for b in range(len(e.dst_specs)))
+        elif len(e.dst_specs) == 1:
+            term = eg.count * pulp.lpSum(float(cost[a, 0]) * src_marg[a] for a in range(len(e.src_specs)))
+        else:
+            y = [[m.var(0.0, 1.0, name="y") for _ in e.dst_specs] for _ in e.src_specs]
+            for a in range(len(e.src_specs)):
+                m.prob += pulp.lpSum(y[a]) == src_marg[a]
+            for b in range(len(e.dst_specs)):
+                m.prob += pulp.lpSum(y[a][b] for a in range(len(e.src_specs))) == dst_marg[b]
+            term = eg.count * pulp.lpSum(float(cost[a, b]) * y[a][b]
+                                         for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))
+                                         if cost[a, b] != 0.0)
+        terms.append(term)
+        if not m.reshard and m.cg.nodes[e.dst].kind != "output":
+            m.unreported.append((RESHARD_PENALTY - 1.0) * term)
     return terms
 
 
@@ -759,15 +764,18 @@ def _pulp_solver(options: SolverOptions, msg: bool = False):
 
 
 def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
-          allowed: dict[str, Iterable[int]] | None = None) -> Solution:
+          allowed: dict[str, Iterable[int]] | None = None, reshard: bool = True) -> Solution:
     """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget.
 
     ``allowed`` restricts CGNodes to some strategy indices (how baseline plans are expressed:
     e.g. parameters replicated and the batch sharded is data parallelism); a restriction on one
-    node of an alias group applies to the whole group.
+    node of an alias group applies to the whole group. ``reshard=False`` makes resharding on
+    edges (except into the graph's outputs) weigh ``RESHARD_PENALTY`` times its time, so that
+    every op reads its operands as produced wherever any plan allows it (the reported objective
+    and times are the plain model's).
     """
     t0 = time.perf_counter()
-    m, handles = _build(cg, options, allowed)
+    m, handles = _build(cg, options, allowed, reshard)
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     m.prob.solve(_pulp_solver(options))
@@ -775,20 +783,20 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
     status = _status(m.prob)
     if status not in ("optimal", "feasible"):
         if options.memory_budget is not None and status == "infeasible":
-            raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed))
+            raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed, reshard))
         raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
                            "try a longer time_limit or solver='cbc'")
     return _readout(m, handles, status, build, solve_s)
 
 
-def _build(cg: CostGraph, options: SolverOptions,
-           allowed: dict[str, Iterable[int]] | None = None) -> tuple[_Model, dict]:
+def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[int]] | None = None,
+           reshard: bool = True) -> tuple[_Model, dict]:
     """The full model: step-time objective, and the peak-memory row when there is a budget."""
-    m = _Model(cg, options, allowed=allowed)
+    m = _Model(cg, options, allowed=allowed, reshard=reshard)
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
     peaks, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
-    handles["tie"] = _keep_tie_break(handles["classes"])
+    handles["tie"] = _keep_tie_break(handles["classes"]) + pulp.lpSum(m.unreported)
     handles["symmetry_rows"] = _break_block_symmetry(m, handles) if options.break_symmetry else 0
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
@@ -828,10 +836,12 @@ def _status(prob: pulp.LpProblem) -> str:
 
 
 def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
-                   allowed: dict[str, Iterable[int]] | None = None) -> tuple[float, MemoryPrediction]:
-    """The smallest per-device budget any plan meets under ``options`` and ``allowed`` (the ILP's
-    bound on the peak, :attr:`MemoryPrediction.bound`), with that plan's memory."""
-    m = _Model(cg, options, allowed=allowed)
+                   allowed: dict[str, Iterable[int]] | None = None,
+                   reshard: bool = True) -> tuple[float, MemoryPrediction]:
+    """The smallest per-device budget any plan meets under ``options``, ``allowed`` and
+    ``reshard`` (see :func:`solve`; the ILP's bound on the peak, :attr:`MemoryPrediction.bound`),
+    with that plan's memory."""
+    m = _Model(cg, options, allowed=allowed, reshard=reshard)
     peaks, handles = _memory_and_recompute(m, [], budget=None)   # no budget row here
     peak = m.var(name="peak")
     for p in peaks:
@@ -842,8 +852,8 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
     return sol.memory.bound, sol.memory
 
 
-def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None) -> str:
-    need, mem = minimum_budget(cg, options, allowed)
+def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, reshard: bool = True) -> str:
+    need, mem = minimum_budget(cg, options, allowed, reshard)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
              "activations": mem.bound - mem.params - mem.grads - mem.optimizer}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
