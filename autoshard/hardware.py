@@ -8,12 +8,36 @@ Axis 0 is the outer (possibly inter-node) axis; axis 1 the inner one.
 (GPUs: true, the default). It is false for CPU ranks (``cpu-gloo``): there "device" memory IS host
 memory, so offloading activations to the host frees nothing and is a plain copy on the critical
 path (see :mod:`autoshard.solver.ilp`).
+
+Compute time comes from measurement where a profile has it and from the roofline otherwise.
+``compute`` (written by ``autoshard profile``) holds, per dtype name and op family, the measured
+forward and backward seconds of one op against its forward *work*: FLOPs as
+``torch.utils.flop_counter.FlopCounterMode`` counts them (the count :mod:`autoshard.opinfo` profiles
+nodes with) for ``matmul`` and ``attention``, bytes of the op's tensor inputs plus outputs for
+``pointwise``, ``norm`` and ``loss``. Both curves are indexed by the forward work; ``bwd`` is the
+time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
+interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
+keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
+time with work at the largest point's rate. ``optimizer`` prices an AdamW step (torch's default
+implementation for the device) as ``n_tensors * per_tensor + bytes * per_byte``; ``overlap`` is the
+measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it).
+Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
+memory_bandwidth)``.
+
+    compute:
+      float32:
+        matmul: {work: [1.3e5, ...], fwd: [2.1e-5, ...], bwd: [4.0e-5, ...]}   # FLOPs -> seconds
+        pointwise: {work: [4096, ...], fwd: [...], bwd: [...]}                  # bytes -> seconds
+    optimizer: {per_tensor: 2.0e-5, per_byte: 1.5e-10}
+    overlap: 0.35
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -36,6 +60,50 @@ class LinkModel:
     beta: float
 
 
+COMPUTE_FAMILIES: Mapping[str, str] = {
+    "matmul": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "norm": "bytes", "loss": "bytes"}
+"""Op families with measured compute curves, and the unit of their work."""
+
+PHASES = ("fwd", "bwd")
+
+
+@dataclass(frozen=True)
+class ComputeCurve:
+    """Measured seconds of one op of a family against its forward work (``work`` increasing)."""
+
+    work: tuple[float, ...]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+
+    def seconds(self, work: float, phase: str) -> float:
+        """Time at ``work``: log-log interpolation, the first point's time below (the per-op floor),
+        the last point's rate (seconds per unit of work) above."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        if not (work >= 0 and math.isfinite(work)):
+            raise ValueError(f"work must be a finite non-negative number, got {work!r}")
+        times = self.fwd if phase == "fwd" else self.bwd
+        xs = self.work
+        if work <= xs[0]:
+            return times[0]
+        if work >= xs[-1]:
+            return times[-1] * work / xs[-1]
+        i = bisect.bisect_right(xs, work) - 1        # xs[i] <= work < xs[i + 1]
+        f = math.log(work / xs[i]) / math.log(xs[i + 1] / xs[i])
+        return math.exp(math.log(times[i]) + f * math.log(times[i + 1] / times[i]))
+
+
+@dataclass(frozen=True)
+class OptimizerModel:
+    """Seconds of one optimizer step: ``n_tensors * per_tensor + nbytes * per_byte``."""
+
+    per_tensor: float        # seconds per parameter tensor
+    per_byte: float          # seconds per byte of parameters
+
+    def seconds(self, n_tensors: int, nbytes: float) -> float:
+        return n_tensors * self.per_tensor + nbytes * self.per_byte
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -47,11 +115,28 @@ class HardwareProfile:
     description: str = ""
     device_memory_separate: bool = True      # False: device memory is host memory (CPU ranks)
     extra: Mapping[str, object] = field(default_factory=dict)
+    compute: Mapping[str, Mapping[str, ComputeCurve]] = field(default_factory=dict)  # dtype -> family
+    optimizer: OptimizerModel | None = None  # measured optimizer step, None: not measured
+    overlap: float | None = None             # fraction of an async all-reduce hidden by compute
 
     def flops_for(self, dtype_name: str) -> float:
         if dtype_name in self.peak_flops:
             return self.peak_flops[dtype_name]
         return self.peak_flops.get("float32", min(self.peak_flops.values()))
+
+    def op_seconds(self, family: str, work: float, phase: str, dtype: str) -> float | None:
+        """Measured seconds of one ``family`` op of forward ``work`` (FLOPs or bytes, see
+        :data:`COMPUTE_FAMILIES`) in ``phase`` ('fwd' or 'bwd'); None when this profile has no
+        measurement for ``dtype`` and ``family`` (use the roofline then)."""
+        if family not in COMPUTE_FAMILIES:
+            raise ValueError(f"unknown compute family {family!r}; known: {', '.join(COMPUTE_FAMILIES)}")
+        curve = self.compute.get(dtype, {}).get(family)
+        return None if curve is None else curve.seconds(work, phase)
+
+    def optimizer_seconds(self, n_tensors: int, nbytes: float) -> float | None:
+        """Measured seconds of an optimizer step over ``n_tensors`` parameters of ``nbytes`` in all;
+        None when not measured."""
+        return None if self.optimizer is None else self.optimizer.seconds(n_tensors, nbytes)
 
     # -- io ------------------------------------------------------------------------------------------
     @staticmethod
@@ -70,6 +155,9 @@ class HardwareProfile:
                 description=str(d.get("description", "")),
                 device_memory_separate=_flag(d, "device_memory_separate", True),
                 extra=dict(d.get("extra", {})),
+                compute=_compute(d),
+                optimizer=_optimizer(d),
+                overlap=_overlap(d),
             )
         except KeyError as e:
             raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}") from None
@@ -84,6 +172,12 @@ class HardwareProfile:
             "memory_per_device": self.memory_per_device,
             "host_device_bandwidth": self.host_device_bandwidth,
             "device_memory_separate": self.device_memory_separate,
+            **({"compute": {dt: {fam: {"work": list(c.work), "fwd": list(c.fwd), "bwd": list(c.bwd)}
+                                 for fam, c in fams.items()} for dt, fams in self.compute.items()}}
+               if self.compute else {}),
+            **({"optimizer": {"per_tensor": self.optimizer.per_tensor, "per_byte": self.optimizer.per_byte}}
+               if self.optimizer is not None else {}),
+            **({"overlap": self.overlap} if self.overlap is not None else {}),
             "extra": dict(self.extra),
         }
 
@@ -98,6 +192,90 @@ def _flag(d: Mapping, key: str, default: bool) -> bool:
         raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {key} must be true or false, "
                             f"got {value!r}")
     return value
+
+
+# -- validation of the measured fields --------------------------------------------------------------
+def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, high: float = math.inf,
+            zero: bool = False) -> float:
+    """``value`` as a float, finite, above ``low`` (or equal to it with ``zero``) and at most ``high``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not (math.isfinite(x) and (x > low or (zero and x == low)) and x <= high):
+        bound = (f"in [{low:g}, {high:g}]" if high < math.inf
+                 else "a finite non-negative number" if zero else "a finite positive number")
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} must be {bound} "
+                            f"({unit}), got {value!r}")
+    return x
+
+
+def _points(d: Mapping, where: str, value: Any, unit: str) -> tuple[float, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} must be a non-empty list "
+                            f"of {unit}, got {value!r}")
+    return tuple(_number(d, f"{where}[{i}]", v, unit) for i, v in enumerate(value))
+
+
+def _compute(d: Mapping) -> dict[str, dict[str, ComputeCurve]]:
+    import torch
+
+    name = d.get("name", "?")
+    table = d.get("compute") or {}
+    if not isinstance(table, Mapping):
+        raise HardwareError(f"hardware profile {name!r}: compute must map dtype names to op families")
+    out: dict[str, dict[str, ComputeCurve]] = {}
+    for dtype, families in table.items():
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise HardwareError(f"hardware profile {name!r}: compute.{dtype} is not a torch dtype name "
+                                f"(e.g. float32, bfloat16)")
+        if not isinstance(families, Mapping):
+            raise HardwareError(f"hardware profile {name!r}: compute.{dtype} must map op families to curves")
+        out[str(dtype)] = {}
+        for family, curve in families.items():
+            where = f"compute.{dtype}.{family}"
+            if family not in COMPUTE_FAMILIES:
+                raise HardwareError(f"hardware profile {name!r}: {where}: unknown op family; known: "
+                                    f"{', '.join(COMPUTE_FAMILIES)}")
+            if not isinstance(curve, Mapping) or set(curve) != {"work", "fwd", "bwd"}:
+                raise HardwareError(f"hardware profile {name!r}: {where} must have exactly the keys work "
+                                    f"({COMPUTE_FAMILIES[family]}), fwd and bwd (seconds)")
+            work = _points(d, f"{where}.work", curve["work"], COMPUTE_FAMILIES[family])
+            fwd = _points(d, f"{where}.fwd", curve["fwd"], "seconds")
+            bwd = _points(d, f"{where}.bwd", curve["bwd"], "seconds")
+            if not len(work) == len(fwd) == len(bwd):
+                raise HardwareError(f"hardware profile {name!r}: {where}: work, fwd and bwd must have the same "
+                                    f"number of points, got {len(work)}, {len(fwd)} and {len(bwd)}")
+            if any(b <= a for a, b in zip(work, work[1:])):
+                raise HardwareError(f"hardware profile {name!r}: {where}.work must be strictly increasing "
+                                    f"({COMPUTE_FAMILIES[family]}), got {list(work)}")
+            out[str(dtype)][str(family)] = ComputeCurve(work, fwd, bwd)
+    return out
+
+
+def _optimizer(d: Mapping) -> OptimizerModel | None:
+    opt = d.get("optimizer")
+    if opt is None:
+        return None
+    if not isinstance(opt, Mapping) or set(opt) != {"per_tensor", "per_byte"}:
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: optimizer must have exactly the keys "
+                            f"per_tensor (seconds per tensor) and per_byte (seconds per byte)")
+    # a least-squares fit may put one coefficient at zero, so zero is allowed (not both)
+    model = OptimizerModel(_number(d, "optimizer.per_tensor", opt["per_tensor"], "seconds per tensor", zero=True),
+                           _number(d, "optimizer.per_byte", opt["per_byte"], "seconds per byte", zero=True))
+    if model.per_tensor == model.per_byte == 0:
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: optimizer.per_tensor and "
+                            f"optimizer.per_byte are both 0 (an optimizer step would cost nothing)")
+    return model
+
+
+def _overlap(d: Mapping) -> float | None:
+    value = d.get("overlap")
+    if value is None:
+        return None
+    return _number(d, "overlap", value, "fraction of an all-reduce hidden behind compute", high=1.0, zero=True)
 
 
 def available_profiles() -> list[str]:

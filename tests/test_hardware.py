@@ -1,7 +1,11 @@
-"""Hardware profiles in configs/hardware and the alpha-beta fit of `autoshard profile`."""
+"""Hardware profiles in configs/hardware (measured compute curves, optimizer and overlap included)
+and the alpha-beta fit of `autoshard profile`."""
+import json
+import math
+
 import pytest
 
-from autoshard.hardware import CONFIG_DIR, HardwareError, HardwareProfile, load_hardware
+from autoshard.hardware import CONFIG_DIR, ComputeCurve, HardwareError, HardwareProfile, OptimizerModel, load_hardware
 from autoshard.profile import ProfileError, fit_alpha_beta
 
 PROFILES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -89,3 +93,135 @@ def test_device_memory_separate_defaults_true_and_must_be_a_bool():
     d["device_memory_separate"] = "false"
     with pytest.raises(HardwareError, match="device_memory_separate must be true or false"):
         HardwareProfile.from_dict(d)
+
+
+# -- measured compute curves, optimizer and overlap --------------------------------------------------
+WORK = [1e5, 1e7, 1e9]
+FWD = [2e-5, 1e-4, 4e-2]
+BWD = [5e-5, 3e-4, 9e-2]
+
+
+def measured(**fields) -> HardwareProfile:
+    """h100-nvlink's links and roofline, with a measured matmul curve and whatever ``fields`` say."""
+    d = load_hardware("h100-nvlink").to_dict()
+    d.update(name="measured-test", compute={"float32": {"matmul": {"work": WORK, "fwd": FWD, "bwd": BWD}}},
+             optimizer={"per_tensor": 3e-5, "per_byte": 2e-10}, overlap=0.4)
+    d.update(fields)
+    return HardwareProfile.from_dict(d)
+
+
+def test_op_seconds_is_exact_at_the_measured_points():
+    hw = measured()
+    for w, f, b in zip(WORK, FWD, BWD):
+        assert hw.op_seconds("matmul", w, "fwd", "float32") == pytest.approx(f, rel=1e-12)
+        assert hw.op_seconds("matmul", w, "bwd", "float32") == pytest.approx(b, rel=1e-12)
+
+
+def test_op_seconds_interpolates_in_log_log():
+    hw = measured()
+    # the geometric middle of two points has the geometric mean of their times
+    assert hw.op_seconds("matmul", 1e6, "fwd", "float32") == pytest.approx(math.sqrt(2e-5 * 1e-4), rel=1e-12)
+    assert hw.op_seconds("matmul", 1e8, "bwd", "float32") == pytest.approx(math.sqrt(3e-4 * 9e-2), rel=1e-12)
+    # a quarter of the way in log(work) is a quarter of the way in log(time), not in time
+    w = 10 ** 7.5
+    expect = math.exp(math.log(1e-4) + 0.25 * math.log(4e-2 / 1e-4))
+    assert hw.op_seconds("matmul", w, "fwd", "float32") == pytest.approx(expect, rel=1e-12)
+    assert hw.op_seconds("matmul", w, "fwd", "float32") < 1e-4 + 0.25 * (4e-2 - 1e-4)
+
+
+def test_op_seconds_floors_below_and_scales_linearly_above():
+    hw = measured()
+    for w in (0.0, 1.0, 5e4, 1e5):                     # a per-op floor: dispatch overhead
+        assert hw.op_seconds("matmul", w, "fwd", "float32") == 2e-5
+        assert hw.op_seconds("matmul", w, "bwd", "float32") == 5e-5
+    for k in (1, 3, 1000):                              # the largest point's rate
+        assert hw.op_seconds("matmul", k * 1e9, "fwd", "float32") == pytest.approx(k * 4e-2, rel=1e-12)
+        assert hw.op_seconds("matmul", k * 1e9, "bwd", "float32") == pytest.approx(k * 9e-2, rel=1e-12)
+
+
+def test_op_seconds_is_none_where_not_measured_and_rejects_bad_arguments():
+    hw = measured()
+    assert hw.op_seconds("matmul", 1e6, "fwd", "bfloat16") is None
+    assert hw.op_seconds("norm", 1e6, "fwd", "float32") is None
+    for name in ("a100-nvlink", "h100-nvlink", "h100-multinode"):
+        gpu = load_hardware(name)
+        assert gpu.compute == {} and gpu.optimizer is None and gpu.overlap is None
+        assert gpu.op_seconds("matmul", 1e9, "fwd", "bfloat16") is None
+        assert gpu.optimizer_seconds(10, 1e6) is None
+    with pytest.raises(ValueError, match="unknown compute family 'conv'"):
+        hw.op_seconds("conv", 1e6, "fwd", "float32")
+    with pytest.raises(ValueError, match="phase"):
+        hw.op_seconds("matmul", 1e6, "backward", "float32")
+    with pytest.raises(ValueError, match="non-negative"):
+        hw.op_seconds("matmul", -1.0, "fwd", "float32")
+
+
+def test_optimizer_seconds_and_overlap():
+    hw = measured()
+    assert hw.optimizer_seconds(100, 4e6) == pytest.approx(100 * 3e-5 + 4e6 * 2e-10)
+    assert hw.optimizer_seconds(0, 0) == 0.0
+    assert hw.overlap == 0.4
+
+
+def test_measured_fields_round_trip_through_yaml_and_json(tmp_path):
+    hw = measured(compute={"float32": {
+        "matmul": {"work": WORK, "fwd": FWD, "bwd": BWD},
+        "pointwise": {"work": [4096], "fwd": [5e-6], "bwd": [8e-6]}},        # one point is a valid curve
+        "bfloat16": {"attention": {"work": [1e6, 2e6], "fwd": [1e-5, 1.5e-5], "bwd": [3e-5, 4e-5]}}},
+        overlap=0.0)
+    assert hw.compute["float32"]["pointwise"] == ComputeCurve((4096.0,), (5e-6,), (8e-6,))
+    assert hw.optimizer == OptimizerModel(3e-5, 2e-10)
+    path = tmp_path / "m.yaml"
+    hw.save(path)
+    assert load_hardware(path) == hw
+    assert HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw   # as a plan stores it
+    assert hw.op_seconds("pointwise", 1e3, "fwd", "float32") == 5e-6
+    assert hw.op_seconds("pointwise", 8192, "bwd", "float32") == pytest.approx(16e-6)
+    # profiles without measurements write none of the fields (plans made before them stay equal)
+    d = load_hardware("h100-nvlink").to_dict()
+    assert not {"compute", "optimizer", "overlap"} & set(d)
+
+
+def _curve(**changes):
+    c = {"work": list(WORK), "fwd": list(FWD), "bwd": list(BWD)}
+    c.update(changes)
+    return {"float32": {"matmul": c}}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"compute": _curve(fwd=[2e-5, -1e-4, 4e-2])},
+     r"'measured-test': compute\.float32\.matmul\.fwd\[1\] must be a finite positive number \(seconds\), got -0\.0001"),
+    ({"compute": _curve(bwd=[5e-5, float("nan"), 9e-2])}, r"compute\.float32\.matmul\.bwd\[1\] .*\(seconds\), got nan"),
+    ({"compute": _curve(fwd=[2e-5, float("inf"), 4e-2])}, r"matmul\.fwd\[1\] must be a finite positive"),
+    ({"compute": _curve(work=[0, 1e7, 1e9])}, r"matmul\.work\[0\] must be a finite positive number \(FLOPs\), got 0"),
+    ({"compute": _curve(fwd=[2e-5, "fast", 4e-2])}, r"matmul\.fwd\[1\] .*got 'fast'"),
+    ({"compute": _curve(fwd=[2e-5, True, 4e-2])}, r"matmul\.fwd\[1\] .*got True"),
+    ({"compute": _curve(bwd=[5e-5, 3e-4])}, r"compute\.float32\.matmul: work, fwd and bwd must have the same number "
+                                            r"of points, got 3, 3 and 2"),
+    ({"compute": _curve(work=[1e5, 1e9, 1e7])}, r"matmul\.work must be strictly increasing \(FLOPs\)"),
+    ({"compute": _curve(work=[1e5, 1e5, 1e9])}, r"matmul\.work must be strictly increasing"),
+    ({"compute": _curve(work=[])}, r"matmul\.work must be a non-empty list of FLOPs"),
+    ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
+     r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
+    ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
+     r"compute\.float32\.softmax: unknown op family; known: matmul, attention, pointwise, norm, loss"),
+    ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
+    ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
+     r"matmul must have exactly the keys work \(FLOPs\)"),
+    ({"overlap": 1.5}, r"'measured-test': overlap must be in \[0, 1\] \(fraction of an all-reduce hidden"),
+    ({"overlap": -0.1}, r"overlap must be in \[0, 1\]"),
+    ({"optimizer": {"per_tensor": -1e-5, "per_byte": 1e-10}},
+     r"optimizer\.per_tensor must be a finite non-negative number \(seconds per tensor\), got -1e-05"),
+    ({"optimizer": {"per_tensor": 1e-5, "per_byte": float("inf")}},
+     r"optimizer\.per_byte must be a finite non-negative number \(seconds per byte\)"),
+    ({"optimizer": {"per_tensor": 0, "per_byte": 0}}, r"optimizer\.per_tensor and optimizer\.per_byte are both 0"),
+    ({"optimizer": {"per_tensor": 1e-5}}, r"optimizer must have exactly the keys per_tensor"),
+])
+def test_malformed_measurements_are_named(fields, message):
+    with pytest.raises(HardwareError, match=message):
+        measured(**fields)
+
+
+def test_zero_coefficient_and_zero_overlap_are_valid():
+    hw = measured(optimizer={"per_tensor": 0.0, "per_byte": 1e-10}, overlap=0)
+    assert hw.optimizer_seconds(5, 1e6) == pytest.approx(1e-4) and hw.overlap == 0.0
