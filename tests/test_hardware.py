@@ -1,12 +1,12 @@
 """Hardware profiles in configs/hardware (measured compute curves, optimizer and overlap included)
-and the alpha-beta fit of `autoshard profile`."""
+and the fits of `autoshard profile`."""
 import json
 import math
 
 import pytest
 
 from autoshard.hardware import CONFIG_DIR, ComputeCurve, HardwareError, HardwareProfile, OptimizerModel, load_hardware
-from autoshard.profile import ProfileError, fit_alpha_beta
+from autoshard.profile import ProfileError, fit_alpha_beta, fit_optimizer, overlap_fraction
 
 PROFILES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -225,3 +225,24 @@ def test_malformed_measurements_are_named(fields, message):
 def test_zero_coefficient_and_zero_overlap_are_valid():
     hw = measured(optimizer={"per_tensor": 0.0, "per_byte": 1e-10}, overlap=0)
     assert hw.optimizer_seconds(5, 1e6) == pytest.approx(1e-4) and hw.overlap == 0.0
+
+
+# -- fits of `autoshard profile` ----------------------------------------------------------------------
+def test_fit_optimizer_recovers_exact_coefficients_and_keeps_them_non_negative():
+    n = [1, 16, 128, 2, 8, 8]
+    b = [4e3, 6.4e4, 5.1e5, 8.4e6, 3.4e7, 6.7e7]
+    model = fit_optimizer(n, b, [k * 4e-5 + x * 3e-10 for k, x in zip(n, b)])
+    assert model.per_tensor == pytest.approx(4e-5, rel=1e-9) and model.per_byte == pytest.approx(3e-10, rel=1e-9)
+    # times that fall with bytes would fit a negative per_byte: it is held at 0 instead
+    model = fit_optimizer([1, 2, 4], [1e8, 1e6, 1e4], [1e-4, 2e-4, 4e-4])
+    assert model.per_byte == 0.0 and model.per_tensor == pytest.approx(1e-4, rel=1e-9)
+    with pytest.raises(ProfileError, match="two or more positive"):
+        fit_optimizer([1], [1e3], [1e-4])
+
+
+def test_overlap_fraction():
+    assert overlap_fraction(1.0, 1.0, 1.0) == 1.0          # fully hidden
+    assert overlap_fraction(1.0, 1.0, 2.0) == 0.0          # serialised
+    assert overlap_fraction(1.0, 0.5, 1.25) == pytest.approx(0.5)
+    assert overlap_fraction(1.0, 1.0, 2.5) == 0.0          # slower than serial: clamped
+    assert overlap_fraction(1.0, 1.0, 0.5) == 1.0          # noise: clamped

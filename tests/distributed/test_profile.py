@@ -1,28 +1,72 @@
-"""`autoshard profile` on real ranks: alpha/beta fitted from real gloo all-reduces."""
+"""`autoshard profile` on real ranks: alpha/beta fitted from real gloo all-reduces, and the measured
+compute curves, optimizer model and overlap that every rank must agree on."""
+import math
+
 import pytest
 import torch.distributed as dist
 
-from autoshard.hardware import HardwareProfile
+from autoshard.hardware import COMPUTE_FAMILIES, HardwareProfile, load_hardware
 from autoshard.mesh import MeshError
 from autoshard.profile import measure_profile
 
+POINTS = 3       # the 3 smallest sizes of each family, a few runs each: a quick measurement
 
-def test_measure_profile_on_four_ranks(tmp_path_factory):
+
+@pytest.fixture(scope="module")
+def prof():
     sizes = [4096 * 16**k for k in range(4)]   # 4 KiB .. 16 MiB, a few iterations: a quick measurement
-    prof = measure_profile((2, 2), name="test", sizes=sizes, iters=4, warmup=1)
+    return measure_profile((2, 2), name="test", sizes=sizes, iters=4, warmup=1,
+                           compute_iters=3, compute_points=POINTS)
+
+
+def _gathered(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
     assert isinstance(prof, HardwareProfile)
     for link in prof.axes:
         assert link.alpha >= 0 and link.beta > 0
         assert 1e6 < 1 / link.beta < 1e12, "a bandwidth between 1 MB/s and 1 TB/s"
     assert prof.peak_flops["float32"] > 0 and prof.memory_bandwidth > 0
-    # every rank reports the same numbers (the max over ranks was agreed collectively)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, prof.to_dict())
-    assert all(g["axes"] == gathered[0]["axes"] for g in gathered)
     path = tmp_path_factory.mktemp(f"rank{dist.get_rank()}") / "p.yaml"
     prof.save(path)
-    from autoshard.hardware import load_hardware
-    assert load_hardware(path).axes == prof.axes
+    assert load_hardware(path) == prof                 # the measured curves round-trip too
+
+
+def test_every_rank_has_the_same_numbers(prof):
+    """The max over ranks was agreed collectively: links, roofline, curves, optimizer, overlap."""
+    d = prof.to_dict()
+    mine = {k: d[k] for k in ("axes", "peak_flops", "memory_bandwidth", "compute", "optimizer", "overlap")}
+    assert all(g == mine for g in _gathered(mine))
+
+
+def test_compute_curves_are_finite_positive_and_grow_with_work(prof):
+    assert set(prof.compute) == {"float32"}
+    curves = prof.compute["float32"]
+    assert set(curves) == set(COMPUTE_FAMILIES)
+    for family, c in curves.items():
+        assert len(c.work) == len(c.fwd) == len(c.bwd) == POINTS
+        assert all(b > a for a, b in zip(c.work, c.work[1:])), family
+        for phase, times in (("fwd", c.fwd), ("bwd", c.bwd)):
+            assert all(math.isfinite(t) and 1e-8 < t < 10 for t in times), (family, phase, times)
+            # monotone-ish: work grows 8-100x per point, time may be flat near the floor but
+            # never halves, and the largest point takes clearly longer than the floor
+            assert all(b > 0.5 * a for a, b in zip(times, times[1:])), (family, phase, times)
+            assert times[-1] > 1.5 * times[0], (family, phase, times)
+        assert prof.op_seconds(family, 0.0, "fwd", "float32") == c.fwd[0]        # the per-op floor
+    mm = curves["matmul"]
+    assert 1e7 < mm.work[-1] / mm.fwd[-1] < 1e13, "a matmul rate between 10 MFLOP/s and 10 TFLOP/s"
+
+
+def test_optimizer_and_overlap_are_measured(prof):
+    opt = prof.optimizer
+    assert opt is not None and opt.per_tensor >= 0 and opt.per_byte >= 0
+    step = prof.optimizer_seconds(100, 4e8)            # GPT-2 small-ish: 100 tensors, 400 MB
+    assert 1e-4 < step < 60
+    assert prof.overlap is not None and 0.0 <= prof.overlap <= 1.0
 
 
 def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
