@@ -41,6 +41,10 @@ from typing import Sequence
 
 from .hardware import HardwareProfile, LinkModel
 
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Bytes per gradient all-reduce bucket: the runtime fills buckets up to this size
+(:mod:`autoshard.runtime.grad_sync`) and the cost model prices the same buckets."""
+
 ALL_GATHER = "all_gather"
 ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
@@ -153,3 +157,23 @@ def all_to_all_cost(nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int
                     hw: HardwareProfile) -> float:
     """All-to-all over ``axes``; ``nbytes`` = bytes each device holds."""
     return collective_cost(ALL_TO_ALL, nbytes, axes, mesh_shape, hw)
+
+
+def grad_buckets(items: Sequence[tuple[object, int]], bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[list[int]]:
+    """How gradient sync groups tensors into all-reduce buckets, shared by the runtime and the cost
+    model so that both see the same buckets. ``items`` are ``(key, nbytes)`` in order of first use
+    in forward; tensors of one key (mesh axes and dtype) share buckets. Buckets fill in reverse
+    order (backward produces the last-used gradients first) up to ``bucket_bytes`` (a tensor larger
+    than that gets a bucket of its own). Returns the buckets as lists of item indices, in launch
+    order as backward fills them."""
+    buckets: list[list[int]] = []
+    open_by_key: dict[object, tuple[int, int]] = {}      # key -> (bucket index, bytes in it)
+    for i in reversed(range(len(items))):
+        key, nbytes = items[i]
+        current = open_by_key.get(key)
+        if current is None or current[1] + nbytes > bucket_bytes:
+            current = (len(buckets), 0)
+            buckets.append([])
+        buckets[current[0]].append(i)
+        open_by_key[key] = (current[0], current[1] + nbytes)
+    return buckets

@@ -80,6 +80,7 @@ class CollectiveEntry:
     phase: str
     operand: str
     cost: float
+    bucketed: bool = False   # a parameter-gradient all-reduce the step-time model prices as buckets
 
 
 @dataclass
@@ -482,7 +483,7 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy) -> NodePlan:
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
         collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
-                                     float(c.cost)) for c in s.comm],
+                                     float(c.cost), bool(c.bucketed)) for c in s.comm],
         memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
         operands=list(ns.operand_nodes),
@@ -804,7 +805,7 @@ def _wrong_type(value: Any, expected: str, where: str) -> PlanError:
 
 # -- explanation ---------------------------------------------------------------------------------------
 
-_TIME_PARTS = ("compute", "comm", "reshard", "recompute", "offload")
+_TIME_PARTS = ("compute", "comm", "reshard", "grad_sync", "optimizer", "recompute", "offload")
 
 
 def _fmt_time(seconds: float) -> str:

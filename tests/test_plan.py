@@ -117,7 +117,9 @@ def test_node_costs_and_reshardings_add_up_to_the_modeled_step_time(merge: bool)
     for name, entry in plan.nodes.items():
         assert entry.strategy == cg.table[name].strategies[graph_choice[name]].name
     assert sum(n.compute_fwd + n.compute_bwd for n in plan.nodes.values()) == pytest.approx(plan.time["compute"])
-    assert sum(n.comm_seconds for n in plan.nodes.values()) == pytest.approx(plan.time["comm"])
+    # inline collectives, plus the parameter-gradient all-reduces the runtime cannot bucket
+    inline = sum(c.cost for n in plan.nodes.values() for c in n.collectives if not c.bucketed)
+    assert inline - 1e-12 <= plan.time["comm"] <= sum(n.comm_seconds for n in plan.nodes.values()) + 1e-12
     assert sum(r.cost for r in plan.reshards) == pytest.approx(plan.time["reshard"])
     assert plan.time["comm"] > 0 and plan.time["reshard"] > 0       # the random plan does communicate
     for r in plan.reshards:   # each resharding joins the producer's output spec to the consumer's input spec

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..comm import GRAD_BUCKET_BYTES, grad_buckets
 from .collectives import BWD, MeshComm
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -101,15 +102,6 @@ class GradSync:
 
 
 def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], bucket_bytes: int) -> list[_Bucket]:
-    buckets: list[_Bucket] = []
-    open_by_key: dict[tuple, tuple[_Bucket, int]] = {}
-    for p, axes in reversed(list(params)):          # last used first: backward reaches them first
-        key = (axes, _local(p).dtype)
-        nbytes = _local(p).numel() * _local(p).element_size()
-        current = open_by_key.get(key)
-        if current is None or current[1] + nbytes > bucket_bytes and current[0].params:
-            current = (_Bucket(axes, []), 0)
-            buckets.append(current[0])
-        current[0].params.append(p)
-        open_by_key[key] = (current[0], current[1] + nbytes)
-    return buckets
+    """Buckets as :func:`autoshard.comm.grad_buckets` forms them (the cost model prices the same)."""
+    items = [((axes, _local(p).dtype), _local(p).numel() * _local(p).element_size()) for p, axes in params]
+    return [_Bucket(params[b[0]][1], [params[i][0] for i in b]) for b in grad_buckets(items, bucket_bytes)]

@@ -56,6 +56,7 @@ from ..opinfo import op_name
 from ..reshard import ReshardTable, reshard_table
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, CommAction, MemoryCost, Strategy
+from .steptime import optimizer_seconds
 
 __all__ = [
     "CGEdge", "CGNode", "CostBreakdown", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
@@ -74,10 +75,14 @@ _NUMERIC = re.compile(r"\d+")
 class StrategyCosts:
     """Per-strategy costs of a node as vectors (index = strategy index).
 
-    Times in seconds: ``compute_*`` (roofline), ``comm_*`` (the strategies' own collectives),
-    ``reshard_*`` (resharding between the members of a merged node; zero otherwise). Memory in
-    bytes per device; ``params``/``grads`` are nonzero only at placeholders (parameters are
-    counted where they are stored, not again at each op that reads them).
+    Times in seconds: ``compute_*`` (measured rates or the roofline), ``comm_*`` (the
+    strategies' own inline collectives), ``reshard_*`` (resharding between the members of a merged
+    node; zero otherwise), ``optimizer`` (the optimizer step of a parameter placeholder's local
+    shard; zero elsewhere). ``sync_bytes[s, k]``: bytes of parameter-gradient all-reduces over
+    mesh axes ``SYNC_AXES[k]`` that the runtime runs in buckets after backward (priced as buckets
+    by :mod:`.steptime`, not per use). Memory in bytes per device; ``params``/``grads`` are
+    nonzero only at placeholders (parameters are counted where they are stored, not again at
+    each op that reads them).
     """
 
     compute_fwd: np.ndarray
@@ -90,9 +95,12 @@ class StrategyCosts:
     grads: np.ndarray
     saved: np.ndarray
     outputs: np.ndarray
+    optimizer: np.ndarray
+    sync_bytes: np.ndarray
 
-    TIME_FIELDS = ("compute_fwd", "compute_bwd", "comm_fwd", "comm_bwd", "reshard_fwd", "reshard_bwd")
-    MEMORY_FIELDS = ("params", "grads", "saved", "outputs")
+    TIME_FIELDS = ("compute_fwd", "compute_bwd", "comm_fwd", "comm_bwd", "reshard_fwd", "reshard_bwd",
+                   "optimizer")
+    MEMORY_FIELDS = ("params", "grads", "saved", "outputs", "sync_bytes")
 
     @staticmethod
     def of(strategies: Sequence[Strategy]) -> "StrategyCosts":
@@ -101,13 +109,15 @@ class StrategyCosts:
         return StrategyCosts(
             compute_fwd=np.array([s.compute_fwd for s in strategies], dtype=float),
             compute_bwd=np.array([s.compute_bwd for s in strategies], dtype=float),
-            comm_fwd=np.array([s.comm_time(FWD) for s in strategies], dtype=float),
-            comm_bwd=np.array([s.comm_time(BWD) for s in strategies], dtype=float),
+            comm_fwd=np.array([s.blocking_comm_time(FWD) for s in strategies], dtype=float),
+            comm_bwd=np.array([s.blocking_comm_time(BWD) for s in strategies], dtype=float),
             reshard_fwd=np.zeros(n), reshard_bwd=np.zeros(n),
             params=np.array([s.memory.params for s in strategies], dtype=np.int64),
             grads=np.array([s.memory.grads for s in strategies], dtype=np.int64),
             saved=np.array([s.memory.saved for s in strategies], dtype=np.int64),
             outputs=np.array([s.memory.outputs for s in strategies], dtype=np.int64),
+            optimizer=np.zeros(n),
+            sync_bytes=np.array([_sync_bytes(s) for s in strategies], dtype=np.int64).reshape(n, len(SYNC_AXES)),
         )
 
     def time(self) -> np.ndarray:
@@ -128,6 +138,19 @@ class StrategyCosts:
         for f in self.TIME_FIELDS + self.MEMORY_FIELDS:
             getattr(self, f).flags.writeable = False
         return self
+
+
+SYNC_AXES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1))
+"""The mesh-axis sets a gradient all-reduce can run over on a 2D mesh (columns of ``sync_bytes``)."""
+
+
+def _sync_bytes(s: Strategy) -> list[int]:
+    """Bytes of a strategy's bucketed gradient all-reduces, per entry of :data:`SYNC_AXES`."""
+    out = [0] * len(SYNC_AXES)
+    for c in s.comm:
+        if c.bucketed:
+            out[SYNC_AXES.index(tuple(c.axes))] += c.nbytes
+    return out
 
 
 @dataclass
@@ -249,10 +272,12 @@ class CostBreakdown:
     comm_bwd: float = 0.0
     reshard_fwd: float = 0.0
     reshard_bwd: float = 0.0
+    optimizer: float = 0.0
     params: int = 0
     grads: int = 0
     saved: int = 0
     outputs: int = 0
+    sync_bytes: int = 0                # bytes of bucketed gradient all-reduces (all mesh axes)
     saved_by_segment: dict[str | None, int] = field(default_factory=dict)
 
     @property
@@ -269,8 +294,9 @@ class CostBreakdown:
 
     @property
     def total(self) -> float:
-        """Modeled step time: compute + collectives + resharding (no overlap)."""
-        return self.compute + self.comm + self.reshard
+        """Compute + inline collectives + resharding + optimizer: the step without its bucketed
+        gradient sync, which :func:`~autoshard.solver.ilp.predict` schedules (see :mod:`.steptime`)."""
+        return self.compute + self.comm + self.reshard + self.optimizer
 
     def __str__(self) -> str:
         ms = 1e3
@@ -389,7 +415,7 @@ class CostGraph:
         for n in self.nodes.values():
             c = choice[n.name]
             for f in StrategyCosts.TIME_FIELDS + StrategyCosts.MEMORY_FIELDS:
-                setattr(out, f, getattr(out, f) + getattr(n.costs, f)[c].item())
+                setattr(out, f, getattr(out, f) + getattr(n.costs, f)[c].sum().item())
             saved = int(n.costs.saved[c])
             out.saved_by_segment[n.segment] = out.saved_by_segment.get(n.segment, 0) + saved
         for e in self.edges:
@@ -728,13 +754,16 @@ class _Builder:
         Parameter and gradient memory is counted where it is stored, at the parameter's
         placeholder (its layout); an op's ``memory.params``/``grads`` (its view of a parameter
         operand, in its input spec) is not counted again, so those vectors are zero unless
-        ``stores_params``.
+        ``stores_params``, where the optimizer step of the local shard is priced too.
         """
         key = (id(strategies), stores_params)
         hit = self._cost_cache.get(key)
         if hit is None:
             costs = StrategyCosts.of(strategies)
-            if not stores_params:
+            if stores_params:
+                hw = self.table.hardware
+                costs.optimizer = np.array([optimizer_seconds(hw, float(g)) for g in costs.grads])
+            else:
                 costs.params = np.zeros_like(costs.params)
                 costs.grads = np.zeros_like(costs.grads)
             hit = self._cost_cache[key] = (costs.readonly(), strategies)

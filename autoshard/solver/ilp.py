@@ -83,8 +83,9 @@ import pulp
 from ..comm import collective_cost
 from ..specs import ShardSpec
 from ..units import format_bytes
-from .costgraph import CGEdge, CGNode, CostGraph
+from .costgraph import SYNC_AXES, CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
+from .steptime import SyncedGradient, SyncPricing, exposed_grad_sync, overlap_fraction
 from .symmetry import order_identical_blocks
 
 DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
@@ -159,10 +160,13 @@ class TimePrediction:
     reshard: float = 0.0
     recompute: float = 0.0
     offload: float = 0.0
+    grad_sync: float = 0.0        # bucketed gradient all-reduces the step waits for (not hidden)
+    optimizer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm + self.reshard + self.recompute + self.offload
+        return (self.compute + self.comm + self.reshard + self.recompute + self.offload + self.grad_sync
+                + self.optimizer)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "total": self.total}
@@ -254,6 +258,47 @@ def _node_time_terms(m: _Model) -> list:
         if np.any(per_strategy):
             terms.append(g.count * m.choice_expr(node.name, per_strategy * T))
     return terms
+
+
+def _grad_sync_terms(m: _Model) -> list:
+    """The exposed bucketed gradient sync, linearised (see :mod:`.steptime`): per mesh-axis set,
+    bytes at the bucket rate plus one bucket latency when any gradient syncs there; exposed >=
+    that sum less ``overlap`` times the backward's time, and >= the bucket latencies."""
+    cg = m.cg
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    sync, latencies = [], []
+    for k, axes in enumerate(SYNC_AXES):
+        price = SyncPricing.of(axes, mesh_shape, hw)
+        per_byte = price.seconds_per_byte() * T
+        seconds, any_sync = [], None
+        for g in cg.variable_groups():
+            node = cg.nodes[g.nodes[0]]
+            column = node.costs.sync_bytes[:, k]
+            if not np.any(column):
+                continue
+            seconds.append(g.count * m.choice_expr(node.name, column * per_byte))
+            any_sync = any_sync if any_sync is not None else m.var(0.0, 1.0, name="sync_any")
+            xs = m.x[m.group_of[node.name]]
+            for v, b in zip(xs, column):
+                if b:
+                    m.prob += any_sync >= v
+        if any_sync is not None:
+            sync.append(pulp.lpSum(seconds) + price.latency * T * any_sync)
+            latencies.append(price.latency * T * any_sync)
+    if not sync:
+        return []
+    exposed = m.var(name="sync_exposed")
+    eta = overlap_fraction(hw)
+    backward = pulp.lpSum(g.count * m.choice_expr(g.nodes[0], _backward_time(cg.nodes[g.nodes[0]].costs) * T)
+                          for g in cg.variable_groups()) if eta > 0 else 0.0
+    m.prob += exposed >= pulp.lpSum(sync) - eta * backward
+    m.prob += exposed >= pulp.lpSum(latencies)
+    return [exposed]
+
+
+def _backward_time(c) -> np.ndarray:
+    """A node's time on the compute stream in backward."""
+    return c.compute_bwd + c.comm_bwd + c.reshard_bwd
 
 
 def _forward_time(c) -> np.ndarray:
@@ -795,6 +840,7 @@ def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[in
     m = _Model(cg, options, allowed=allowed, reshard=reshard)
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
+    objective_terms += _grad_sync_terms(m)
     peaks, handles = _memory_and_recompute(m, objective_terms, options.memory_budget)
     handles["tie"] = _keep_tie_break(handles["classes"]) + pulp.lpSum(m.unreported)
     handles["symmetry_rows"] = _break_block_symmetry(m, handles) if options.break_symmetry else 0
@@ -921,6 +967,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         t.compute += c.compute_fwd[s] + c.compute_bwd[s]
         t.comm += c.comm_fwd[s] + c.comm_bwd[s]
         t.reshard += c.reshard_fwd[s] + c.reshard_bwd[s]
+        t.optimizer += c.optimizer[s]
         mem.params += c.params[s]
         mem.grads += c.grads[s]
         if node.kind == "placeholder" and c.params[s]:
@@ -933,6 +980,9 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
+    synced, inline, backward_end = _gradient_sync(cg, choice)
+    t.comm += inline
+    t.grad_sync = exposed_grad_sync(synced, backward_end, cg.mesh.shape, cg.hardware)[0]
     nonsegmented = mem.activations
     per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
     for seg in memory_segments(cg):
@@ -948,6 +998,71 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             rebuilds.append(live + rebuilt)
     mem.backward_peak = max(rebuilds, default=0.0)
     return t, mem
+
+
+def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
+                 options: SolverOptions) -> float:
+    """The ILP's objective (seconds) at one assignment: :func:`predict`'s step time with the
+    scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
+    parameter-gradient all-reduce priced there as if bucketed."""
+    t, _ = predict(cg, choice, decisions, options)
+    inline = _gradient_sync(cg, choice)[1]
+    return t.total - t.grad_sync - inline + _linear_grad_sync(cg, choice)
+
+
+def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
+    """What :func:`_grad_sync_terms` makes of an assignment."""
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    backward_end = sum(_backward_time(n.costs)[choice[n.name]] for n in cg.nodes.values())
+    total = floor = 0.0
+    for k, axes in enumerate(SYNC_AXES):
+        nbytes = sum(int(n.costs.sync_bytes[choice[n.name], k]) for n in cg.nodes.values())
+        if nbytes:
+            price = SyncPricing.of(axes, mesh_shape, hw)
+            total += nbytes * price.seconds_per_byte() + price.latency
+            floor += price.latency
+    return max(total - overlap_fraction(hw) * backward_end, floor)
+
+
+def _gradient_sync(cg: CostGraph, choice: dict[str, int]) -> tuple[list[SyncedGradient], float, float]:
+    """The parameter gradients the runtime syncs in buckets (as ``lower`` picks them: every use
+    reads the stored layout and all-reduces over the same axes), in order of first use with the
+    backward time at which each is complete; the seconds of the other parameter-gradient
+    all-reduces, which run inline per use; and the backward's length on the compute stream."""
+    finish: dict[str, float] = {}
+    clock = 0.0
+    into: dict[str, list[CGEdge]] = {}
+    out_of: dict[str, list[CGEdge]] = {}
+    for e in cg.edges:
+        into.setdefault(e.dst, []).append(e)
+        out_of.setdefault(e.src, []).append(e)
+    for node in reversed(list(cg.nodes.values())):
+        c, s = node.costs, choice[node.name]
+        clock += _backward_time(c)[s] + sum(e.bwd[e.src_index[choice[e.src]], e.dst_index[s]]
+                                            for e in into.get(node.name, ()) if e.grad)
+        finish[node.name] = clock
+    position = {n.name: i for i, n in enumerate(cg.graph.graph.nodes)}
+    synced: list[tuple[int, SyncedGradient]] = []
+    inline = 0.0
+    for node in cg.nodes.values():
+        if node.kind != "placeholder" or not node.costs.grads[choice[node.name]]:
+            continue
+        uses = []
+        for e in out_of.get(node.name, ()):
+            strategy = cg.nodes[e.dst].member_strategy(e.dst_member, choice[e.dst])
+            actions = [a for a in strategy.comm if a.bucketed and a.operand == f"in{e.operand}"]
+            stored = e.src_specs[e.src_index[choice[e.src]]] == e.dst_specs[e.dst_index[choice[e.dst]]]
+            uses.append((e, actions, stored))
+        axes = {tuple(a for x in actions for a in x.axes) for _, actions, _ in uses}
+        if uses and all(stored for _, _, stored in uses) and len(axes) == 1 and next(iter(axes)):
+            meta = cg.graph.tensor_meta(node.members[0])
+            synced.append((min(position[e.dst_member] for e, _, _ in uses), SyncedGradient(
+                next(iter(axes)), str(meta.dtype), int(node.costs.grads[choice[node.name]]),
+                max(finish[e.dst] for e, _, _ in uses))))
+        else:
+            inline += sum(a.cost for _, actions, _ in uses for a in actions)
+    synced.sort(key=lambda item: item[0])
+    return [g for _, g in synced], inline, clock
 
 
 def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],

@@ -1,0 +1,107 @@
+"""The parts of a training step's time that are not one node's: gradient sync and the optimizer.
+
+The runtime (:mod:`autoshard.runtime.grad_sync`) does not all-reduce a parameter's gradient where
+an op produces it. Parameters read in their stored layout whose every use needs the same gradient
+all-reduce are grouped into buckets (:func:`autoshard.comm.grad_buckets`: by mesh axes and dtype,
+filled in reverse order of first use up to ``GRAD_BUCKET_BYTES``); a bucket is all-reduced
+asynchronously as soon as backward has produced all of its gradients, while backward goes on, and
+the step waits for every bucket before the optimizer runs. So the step is a critical path over
+two streams:
+
+- compute stream: forward, then backward (ops, their inline collectives and resharding);
+- communication stream: the buckets, in launch order, each starting when its last gradient is
+  ready and the previous bucket is done.
+
+A bucket that runs while backward still computes is hidden up to the profile's measured
+``overlap`` fraction (1 where communication has its own engine, as NCCL on GPUs; on CPU ranks
+sharing cores much less): the overlapped seconds cost ``(1 - overlap)`` of themselves on the
+compute stream. What is left of the communication stream after backward ends is exposed in
+full. :func:`exposed_grad_sync` computes that exactly for one assignment (what
+:func:`~autoshard.solver.ilp.predict` reports); :class:`SyncPricing` gives the ILP its linear
+approximation: per mesh-axis set, bytes over the bucket bandwidth plus one latency per bucket
+(``bytes / GRAD_BUCKET_BYTES`` of them, and at least one when any gradient syncs there), less what
+``overlap`` of the backward can hide, and never less than one bucket latency.
+
+The optimizer step runs on each device's local shards after the sync: measured
+(``HardwareProfile.optimizer_seconds``) or, without a measurement, AdamW's memory traffic over the
+device's bandwidth (:func:`optimizer_seconds`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from ..comm import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
+
+if TYPE_CHECKING:
+    from ..hardware import HardwareProfile
+
+ADAMW_TRAFFIC = 7
+"""Bytes AdamW moves per byte of parameter without a measurement: reads parameter, gradient and
+both moments, writes parameter and both moments."""
+
+
+def optimizer_seconds(hw: "HardwareProfile", nbytes: float, n_tensors: int = 1) -> float:
+    """Seconds of the optimizer step over ``n_tensors`` tensors of ``nbytes`` in all (0 for none)."""
+    if nbytes <= 0 or n_tensors <= 0:
+        return 0.0
+    measured = hw.optimizer_seconds(n_tensors, nbytes)
+    return measured if measured is not None else ADAMW_TRAFFIC * nbytes / hw.memory_bandwidth
+
+
+def overlap_fraction(hw: "HardwareProfile") -> float:
+    """How much of an asynchronous all-reduce compute hides: measured, else 1 for devices with
+    memory of their own (GPUs: NCCL runs beside the kernels) and 0 for CPU ranks."""
+    if hw.overlap is not None:
+        return float(hw.overlap)
+    return 1.0 if hw.device_memory_separate else 0.0
+
+
+@dataclass(frozen=True)
+class SyncPricing:
+    """Linear pricing of bucketed gradient all-reduces over one set of mesh axes (for the ILP):
+    ``latency`` seconds per bucket and ``per_byte`` seconds per byte at the bucket size."""
+
+    axes: tuple[int, ...]
+    latency: float
+    per_byte: float
+
+    @staticmethod
+    def of(axes: tuple[int, ...], mesh_shape: Sequence[int], hw: "HardwareProfile") -> "SyncPricing":
+        latency = collective_cost("all_reduce", 0, axes, mesh_shape, hw)
+        full = collective_cost("all_reduce", GRAD_BUCKET_BYTES, axes, mesh_shape, hw)
+        return SyncPricing(axes, latency, (full - latency) / GRAD_BUCKET_BYTES)
+
+    def seconds_per_byte(self) -> float:
+        """Bandwidth plus the bucket latencies a byte accounts for."""
+        return self.per_byte + self.latency / GRAD_BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class SyncedGradient:
+    """One parameter's bucketed gradient: its bucket key (mesh axes, dtype), bytes per device,
+    and the backward time (seconds from the start of backward) at which it is complete."""
+
+    axes: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    ready: float
+
+
+def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh_shape: Sequence[int],
+                      hw: "HardwareProfile") -> tuple[float, float]:
+    """``(exposed, total)`` seconds of bucketed gradient sync: what the step waits for beyond a
+    backward of ``backward_end`` seconds (including the compute-stream slowdown of the overlapped
+    part), and the buckets' summed all-reduce time. ``grads`` in order of first use in forward."""
+    eta = overlap_fraction(hw)
+    buckets = grad_buckets([((g.axes, g.dtype), g.nbytes) for g in grads])
+    comm_end = overlapped = total = 0.0
+    for bucket in buckets:
+        nbytes = sum(grads[i].nbytes for i in bucket)
+        cost = collective_cost("all_reduce", nbytes, grads[bucket[0]].axes, mesh_shape, hw)
+        start = max(comm_end, max(grads[i].ready for i in bucket))
+        overlapped += max(0.0, min(cost, backward_end - start))
+        comm_end = start + cost
+        total += cost
+    slowed = backward_end + (1.0 - eta) * overlapped
+    return max(slowed, comm_end) - backward_end, total
