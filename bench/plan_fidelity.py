@@ -1,0 +1,784 @@
+"""Plan fidelity: is the cost model right, and does the plan it picks win when it runs?
+
+In one run, on 4 gloo ranks (2x2 mesh) of this machine:
+
+1. ``autoshard profile`` measures a hardware profile (one torchrun launch); every plan below is
+   solved (or re-priced) under THAT profile.
+2. One torchrun launch of 4 ranks measures everything else. Per model (GPT-2, Llama, BERT at two
+   widths, 4 layers; the ``cnn`` preset at two widths with its cross-entropy loss computed inside
+   the captured graph), rank 0 makes the autoshard plans and broadcasts them:
+
+   - the three baselines (``baseline="data_parallel" | "megatron" | "zero3"``) and the solved plan;
+   - the plan solved under budgets of 60% and 40% of the solved plan's modeled peak (skipped, with
+     the solver's message, where infeasible);
+   - the plans solved under other profiles (``h100-nvlink`` and the stock ``cpu-gloo``), run as
+     they are and re-priced under the measured profile: their strategies are looked up in the
+     measured profile's strategy table and priced with ``autoshard.solver.fixed.fixed_solution``
+     (``predict`` over that cost graph), with their memory decisions;
+   - perturbed plans: every memory decision forced to recompute
+     (``SolverOptions(fixed_decision="recompute")``, strategies re-solved), and the solved plan with
+     5% of its cost-graph nodes (at least 3) moved to another strategy at random (seed 0), priced
+     with ``fixed_solution``.
+
+   Every plan runs with ``autoshard.parallelize``; torch DDP and FSDP2 (``fully_shard`` per
+   transformer block, then the root, over all 4 ranks) train the same model. A step is forward +
+   backward + AdamW step (fp32, dropout 0), timed between two barriers; medians of interleaved
+   rounds (every configuration runs ``--steps`` steps in turn). Step 0 is the global batch's loss
+   for every configuration (DDP/FSDP2: the mean of the ranks' losses on their equal shares).
+
+Per model: Spearman rank correlation of modeled vs measured step time over the autoshard plans that
+ran, median and worst |modeled - measured| / measured, the solved plan's measured time over the
+fastest measured configuration (DDP and FSDP2 included). Targets: solved/fastest <= 1.05,
+Spearman >= 0.9, median error <= 20%. Writes bench/results/plan_fidelity.{json,md,png} and the
+measured profile bench/results/fidelity-measured.yaml.
+
+Run: python bench/plan_fidelity.py [--rounds 3] [--steps 2] [--warmup 2] [--models gpt2-128,cnn-16]
+     python bench/plan_fidelity.py --quick      # smoke test: one model, one round
+(launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1: the profile, then all measurements).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import RESULTS, write  # noqa: E402
+from runtime_speed import Config, run_rounds, summary  # noqa: E402
+
+MESH = (2, 2)
+WORLD = MESH[0] * MESH[1]
+BATCH, SEQ = 8, 128
+IMAGE = 64                    # CNN input side
+VOCAB = 2048
+PROFILE_NAME = "fidelity-measured"
+OTHER_PROFILES = ("h100-nvlink", "cpu-gloo")
+BUDGET_FRACTIONS = (0.6, 0.4)
+PERTURB_FRACTION, PERTURB_MIN, PERTURB_SEED = 0.05, 3, 0
+TARGETS = {"solved_over_fastest": 1.05, "spearman": 0.9, "median_err": 0.20}
+
+
+def _gpt2(width: int) -> tuple[str, dict]:
+    return "gpt2-tiny", dict(n_embd=width, n_head=max(4, width // 64), num_layers=4, n_positions=SEQ,
+                             vocab_size=VOCAB)
+
+
+def _llama(width: int) -> tuple[str, dict]:
+    return "llama-tiny", dict(hidden_size=width, intermediate_size=4 * width, num_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+def _bert(width: int) -> tuple[str, dict]:
+    return "bert-tiny", dict(hidden_size=width, intermediate_size=4 * width, num_layers=4, num_attention_heads=4,
+                             vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+MODELS: dict[str, tuple[str, dict]] = {
+    "gpt2-128": _gpt2(128), "gpt2-384": _gpt2(384),
+    "llama-128": _llama(128), "llama-256": _llama(256),
+    "bert-128": _bert(128), "bert-256": _bert(256),
+    "cnn-16": ("cnn", dict(channels=16)), "cnn-64": ("cnn", dict(channels=64)),
+}
+QUICK_MODEL = "gpt2-128"
+
+
+def log(msg: str) -> None:
+    print(f"[plan_fidelity {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- models (built identically on every rank: same preset, same seed) -------------------------------------
+
+class WithLoss(nn.Module):
+    """A model that returns logits (the cnn/mlp presets) with its cross-entropy loss computed inside
+    the forward, so that the captured graph, the plan and every configuration include the loss."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), labels)
+
+
+class LossView(nn.Module):
+    """Calls ``inner`` and gives ``.loss`` whether it returns an output with ``.loss`` (the HF LMs)
+    or the loss tensor itself (``WithLoss``), as :class:`runtime_speed.Config` expects."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **inputs: Any) -> Any:
+        out = self.inner(**inputs)
+        return out if hasattr(out, "loss") else SimpleNamespace(loss=out)
+
+
+def build(key: str) -> tuple[nn.Module, dict]:
+    from autoshard.models import build_model
+
+    preset, overrides = MODELS[key]
+    if preset in ("cnn", "mlp"):
+        net, args, _ = build_model(preset, device="cpu", batch=BATCH, **({"seq": IMAGE} if preset == "cnn" else {}),
+                                   **overrides)
+        classes = net.head[-1].out_features if preset == "cnn" else net.net[-1].out_features
+        labels = torch.randint(0, classes, (BATCH,), generator=torch.Generator().manual_seed(1))
+        return WithLoss(net), {"x": args[0], "labels": labels}
+    model, _, kwargs = build_model(preset, device="cpu", batch=BATCH, seq=SEQ, dropout=0.0, **overrides)
+    return model, kwargs
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (the elements of every ModuleList) for FSDP2's per-block wrapping."""
+    return [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- planning (rank 0) ------------------------------------------------------------------------------------
+
+def plan_entry(name: str, kind: str, make: Callable[[], tuple[Any, float | None, dict]]) -> dict:
+    """Run ``make`` -> (plan, modeled seconds under the measured profile or None for plan.time, extra)."""
+    from autoshard.solver.ilp import InfeasibleBudgetError
+
+    log(f"  planning {name}")
+    t0 = time.perf_counter()
+    entry: dict[str, Any] = {"name": name, "kind": kind}
+    try:
+        plan, modeled, extra = make()
+        breakdown, peak = extra.pop("_breakdown", None), extra.pop("_peak", None)
+        entry.update(extra)
+        entry["plan"] = plan.to_dict()
+        entry["modeled_s"] = float(plan.time["total"] if modeled is None else modeled)
+        entry["modeled_breakdown_ms"] = {k: 1e3 * v for k, v in (breakdown or plan.time).items()}
+        entry["modeled_peak_bytes"] = float(plan.memory["peak"] if peak is None else peak)
+        entry["decisions"] = _decision_counts(plan.segments)
+        entry["reshardings"] = len(plan.reshards)
+    except InfeasibleBudgetError as e:
+        entry["skipped"] = f"infeasible: {e}"
+        log(f"  {name}: skipped ({entry['skipped'][:160]})")
+    except Exception as e:  # noqa: BLE001 - recorded, not hidden
+        entry["error"] = f"planning failed: {type(e).__name__}: {e}"
+        entry["traceback"] = traceback.format_exc()
+        log(f"  {name}: {entry['error']}")
+    entry["plan_s"] = time.perf_counter() - t0
+    return entry
+
+
+def _decision_counts(segments: dict[str, str]) -> str:
+    from collections import Counter
+
+    c = Counter(segments.values())
+    return " ".join(f"{n}{k[0].upper()}" for k, n in sorted(c.items())) or "-"
+
+
+def _table_index(table, node) -> int:
+    """Index in ``table`` of the strategy a plan's node runs (matched by name and specs)."""
+    strategies = table[node.name].strategies
+    for i, s in enumerate(strategies):
+        if (s.name == node.strategy and [str(x) for x in s.input_specs] == list(node.inputs)
+                and [None if x is None else str(x) for x in s.output_specs] == list(node.outputs)):
+            return i
+    raise LookupError(f"node {node.name}: strategy {node.strategy} {node.inputs} -> {node.outputs} is not in the "
+                      "measured profile's strategy table")
+
+
+class Repricer:
+    """Prices any plan of one graph under the measured profile: the plan's strategies looked up in the
+    measured profile's strategy table, priced by ``fixed_solution`` (``ilp.predict``) with the plan's
+    memory decisions. Merged cost-graph nodes may not offer a combination a plan made under another
+    profile picked (follower merging keeps one follower strategy per producer strategy, chosen by
+    cost); then the unmerged cost graph prices it."""
+
+    def __init__(self, graph, hw, options) -> None:
+        import autoshard
+        from autoshard.solver import build_cost_graph
+
+        self.options = options
+        self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw)
+        self.cg = build_cost_graph(self.table)
+        self._unmerged = None
+
+    def unmerged(self):
+        from autoshard.solver import build_cost_graph
+
+        if self._unmerged is None:
+            self._unmerged = build_cost_graph(self.table, merge_followers=False)
+        return self._unmerged
+
+    def price(self, plan) -> tuple[Any, str]:
+        from autoshard.solver.fixed import fixed_solution
+
+        strategy_of = {name: _table_index(self.table, node) for name, node in plan.nodes.items()}
+        try:
+            return fixed_solution(self.cg, strategy_of, self.options, plan.segments), "merged"
+        except ValueError:
+            return fixed_solution(self.unmerged(), strategy_of, self.options, plan.segments), "unmerged"
+
+
+def make_plans(key: str, graph, hw_path: str) -> list[dict]:
+    """Every autoshard plan of one model (rank 0)."""
+    import autoshard
+    from autoshard.plans import Plan
+    from autoshard.solver import SolverOptions, solve
+    from autoshard.solver.fixed import fixed_solution
+
+    hw = autoshard.load_hardware(hw_path)
+    options = SolverOptions(memory_budget=int(hw.memory_per_device))    # what autoshard.plan uses by default
+    plans: list[dict] = []
+    common = dict(mesh=MESH, hardware=hw_path, name=key)
+
+    def plain(**kw):
+        return lambda: (autoshard.plan(graph, **common, **kw), None, {})
+
+    for b in ("data_parallel", "megatron", "zero3"):
+        plans.append(plan_entry(b, "baseline", plain(baseline=b)))
+    plans.append(plan_entry("solved", "solved", plain()))
+    solved = plans[-1]
+    log("  building the measured profile's cost graph (re-pricing, perturbations)")
+    repricer = Repricer(graph, hw, options)
+    if "plan" in solved:
+        # Self-check: re-pricing the solved plan must give its own modeled time.
+        sol, how = repricer.price(Plan.from_dict(solved["plan"]))
+        solved["reprice_selfcheck_s"] = sol.time.total
+        solved["reprice_selfcheck_rel_err"] = abs(sol.time.total - solved["modeled_s"]) / solved["modeled_s"]
+        peak = solved["plan"]["memory"]["peak"]
+        for f in BUDGET_FRACTIONS:
+            budget = int(f * peak)
+            plans.append(plan_entry(f"budget {round(100 * f)}% of solved peak", "budget",
+                                    lambda b=budget: (autoshard.plan(graph, **common, memory_budget=b), None,
+                                                      {"budget_bytes": b})))
+    else:
+        for f in BUDGET_FRACTIONS:
+            plans.append({"name": f"budget {round(100 * f)}% of solved peak", "kind": "budget",
+                          "skipped": "the solved plan failed, so there is no peak to scale"})
+
+    for prof in OTHER_PROFILES:
+        def other(prof=prof):
+            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key)
+            sol, how = repricer.price(p)
+            return p, sol.time.total, {"solved_under": prof, "modeled_own_profile_s": p.time["total"],
+                                       "repriced_on": f"{how} cost graph", "_breakdown": sol.time.to_dict(),
+                                       "_peak": sol.memory.peak}
+        plans.append(plan_entry(f"solved under {prof}, re-priced", "other_profile", other))
+
+    def all_recompute():
+        opts = SolverOptions(memory_budget=options.memory_budget, fixed_decision="recompute")
+        sol = solve(repricer.cg, opts)
+        return Plan.from_solution(repricer.cg, sol, model_name=key, options=opts, budget=opts.memory_budget), None, {}
+    plans.append(plan_entry("every segment recomputed (re-solved)", "perturbed", all_recompute))
+
+    def random_strategies():
+        if "plan" not in solved:
+            raise RuntimeError("the solved plan failed; nothing to perturb")
+        cg = repricer.cg
+        base = Plan.from_dict(solved["plan"])
+        graph_choice = {name: _table_index(repricer.table, node) for name, node in base.nodes.items()}
+        choice = {}
+        for n in cg.nodes.values():     # the CGNode index whose members run the solved strategies
+            choice[n.name] = next(c for c in range(len(n))
+                                  if all(int(n.member_index[m][c]) == graph_choice[m] for m in n.members))
+        movable = sorted(n.name for n in cg.nodes.values() if n.kind == "call_function" and len(n) > 1)
+        rng = random.Random(PERTURB_SEED)
+        k = min(len(movable), max(PERTURB_MIN, round(PERTURB_FRACTION * len(movable))))
+        moved = rng.sample(movable, k)
+        for name in moved:
+            choice[name] = rng.choice([c for c in range(len(cg.nodes[name])) if c != choice[name]])
+        strategy_of = cg.graph_choice(choice)
+        sol = fixed_solution(cg, strategy_of, options, base.segments)
+        plan = Plan.from_solution(cg, sol, model_name=key, options=options, budget=options.memory_budget)
+        rep = {n: cg.nodes[n].members[0] for n in moved}      # each moved node's representative graph node
+        return plan, None, {"moved_nodes": {n: cg.table[g].strategies[strategy_of[g]].name for n, g in rep.items()}}
+    plans.append(plan_entry(f"solved, {round(100 * PERTURB_FRACTION)}% of nodes moved at random", "perturbed",
+                            random_strategies))
+    _mark_duplicates(plans)
+    return plans
+
+
+def _mark_duplicates(plans: list[dict]) -> None:
+    """``same_as``: an earlier plan with the same strategies and decisions (both are still measured)."""
+    seen: dict[str, str] = {}
+    for p in plans:
+        if "plan" not in p:
+            continue
+        d = p["plan"]
+        key = json.dumps([{n: (v["strategy"], v["inputs"], v["outputs"]) for n, v in d["nodes"].items()},
+                          d["segments"]], sort_keys=True)
+        if key in seen:
+            p["same_as"] = seen[key]
+        else:
+            seen[key] = p["name"]
+
+
+# -- configurations (every rank) --------------------------------------------------------------------------
+
+def agree(error: tuple[str, str] | None) -> tuple[str, str] | None:
+    """All ranks agree whether a guarded step worked: None, or (the first failing rank's error, its
+    traceback)."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(flags)
+    if int(flags) == 0:
+        return None
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e[0]}", e[1]) for r, e in enumerate(errors) if e is not None)
+
+
+def guarded(make: Callable[[], Config], name: str, rank: int) -> tuple[Config | None, tuple[str, str] | None]:
+    """Build a configuration and run its step 0 (the loss check) on every rank, recording any error."""
+    cfg, error = None, None
+    try:
+        cfg = make()
+    except Exception as e:  # noqa: BLE001 - recorded in the results, not hidden
+        cfg, error = None, (f"{type(e).__name__}: {e}", traceback.format_exc())
+    error = agree(error)
+    if error:
+        if rank == 0:
+            log(f"  {name}: FAILED {error[0][:300]}")
+        return None, error
+    return cfg, None
+
+
+def autoshard_config(name: str, key: str, plan_dict: dict, graph, mesh) -> Config:
+    import autoshard
+    from autoshard.plans import Plan
+
+    model, kwargs = build(key)
+    plan = Plan.from_dict(plan_dict)
+    pm = autoshard.parallelize(model, plan, mesh, graph=graph)
+    cfg = Config(name, key, LossView(pm), kwargs, pm.parameters())
+    with pm.comm.counter.recording() as counter:      # step 0: the loss check and the collectives of a step
+        cfg.step()
+    totals = counter.totals()
+    cfg.extra["collectives_per_step"] = sum(n for _, n in totals.values())
+    cfg.extra["comm_bytes_per_step"] = sum(b for b, _ in totals.values())
+    return cfg
+
+
+def _local(kwargs: dict, rank: int) -> dict:
+    return {k: v.chunk(WORLD, 0)[rank].contiguous() for k, v in kwargs.items()}
+
+
+def ddp_config(key: str, rank: int) -> Config:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, kwargs = build(key)
+    ddp = DDP(model)
+    cfg = Config("torch DDP", key, LossView(ddp), _local(kwargs, rank), ddp.parameters(), loss_group=dist.group.WORLD)
+    cfg.step()
+    return cfg
+
+
+def fsdp2_config(key: str, rank: int, mesh1d) -> Config:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model, kwargs = build(key)
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh1d)
+    fully_shard(model, mesh=mesh1d)
+    cfg = Config("torch FSDP2", key, LossView(model), _local(kwargs, rank), model.parameters(),
+                 extra={"fsdp_units": len(blocks) + 1}, loss_group=dist.group.WORLD)
+    cfg.step()
+    return cfg
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autoshard
+    from autoshard.runtime import capture_meta
+
+    torch.set_num_threads(1)
+    # The default group gets a long timeout: the other ranks wait in a broadcast while rank 0 plans.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    mesh = autoshard.init_mesh(MESH)
+    mesh1d = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    rank = dist.get_rank()
+    results = []
+    t_all = time.perf_counter()
+    for i, key in enumerate(args.models.split(",")):
+        t_model = time.perf_counter()
+        if rank == 0:
+            log(f"model {i + 1}/{len(args.models.split(','))}: {key} {MODELS[key]}")
+        model, kwargs = build(key)
+        params = n_params(model)
+        graph = capture_meta(model, (), kwargs, name=key)
+        del model
+        box: list[Any] = [None]
+        if rank == 0:
+            t0 = time.perf_counter()
+            box = [{"plans": make_plans(key, graph, args.hardware), "seconds": time.perf_counter() - t0}]
+        dist.broadcast_object_list(box, 0)
+        plans, plan_seconds = box[0]["plans"], box[0]["seconds"]
+
+        configs: list[Config] = []
+        for entry in plans:
+            if "plan" not in entry:
+                continue
+            if rank == 0:
+                log(f"  building + step 0: {entry['name']}")
+            cfg, err = guarded(lambda e=entry: autoshard_config(e["name"], key, e["plan"], graph, mesh),
+                               entry["name"], rank)
+            if err:
+                entry["error"], entry["traceback"] = f"run failed: {err[0]}", err[1]
+            else:
+                cfg.extra["entry"] = entry["name"]
+                configs.append(cfg)
+        refs = {}
+        for name, make in (("torch DDP", lambda: ddp_config(key, rank)),
+                           ("torch FSDP2", lambda: fsdp2_config(key, rank, mesh1d))):
+            if rank == 0:
+                log(f"  building + step 0: {name}")
+            cfg, err = guarded(make, name, rank)
+            refs[name] = {"name": name, "error": f"run failed: {err[0]}", "traceback": err[1]} if err else None
+            if cfg is not None:
+                configs.append(cfg)
+        if rank == 0:
+            log(f"  timing {len(configs)} configurations: {args.warmup} warm-up + {args.rounds} rounds x "
+                f"{args.steps} steps each")
+        t0 = time.perf_counter()
+        run_rounds(configs, args.warmup, args.rounds, args.steps, dist.barrier)
+        timing_s = time.perf_counter() - t0
+        measured = {c.name: summary(c) for c in configs}
+        for entry in plans:
+            if entry["name"] in measured:
+                entry["measured"] = measured[entry["name"]]
+        for name, err in refs.items():
+            refs[name] = measured.get(name) or err
+        results.append({"model": key, "preset": MODELS[key][0], "overrides": MODELS[key][1], "params": params,
+                        "graph_nodes": len(graph.graph.nodes),
+                        "plans": plans, "references": refs, "plan_s": plan_seconds, "timing_s": timing_s,
+                        "model_s": time.perf_counter() - t_model})
+        if rank == 0:
+            log(f"  {key} done in {time.perf_counter() - t_model:.0f} s (planning {plan_seconds:.0f} s, "
+                f"timing {timing_s:.0f} s)")
+        configs = cfg = graph = None      # free this model's modules before the next one
+        gc.collect()
+        dist.barrier()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"models": results, "worker_s": time.perf_counter() - t_all,
+                                              "torch_threads": torch.get_num_threads(),
+                                              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- analysis ---------------------------------------------------------------------------------------------
+
+def ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties given the average of the ranks they span."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rho: Pearson correlation of the (average) ranks; None when undefined."""
+    if len(xs) < 3:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def analyse(model: dict) -> dict:
+    ran = [p for p in model["plans"] if "measured" in p]
+    modeled = [p["modeled_s"] for p in ran]
+    measured = [p["measured"]["median_ms"] / 1e3 for p in ran]
+    errs = [abs(m - t) / t for m, t in zip(modeled, measured)]
+    for p, e in zip(ran, errs):
+        p["rel_err"] = e
+    everything = {p["name"]: p["measured"] for p in ran}
+    everything.update({k: v for k, v in model["references"].items() if v and "median_ms" in v})
+    fastest = min(everything, key=lambda k: everything[k]["median_ms"]) if everything else None
+    solved = everything.get("solved")
+    losses = {k: v["first_loss"] for k, v in everything.items() if v.get("first_loss") is not None}
+    auto_losses = [v for k, v in losses.items() if k in {p["name"] for p in ran}]
+    out = {
+        "n_plans_measured": len(ran),
+        "spearman": spearman(modeled, measured),
+        "median_err": statistics.median(errs) if errs else None,
+        "worst_err": max(errs) if errs else None,
+        "worst_err_plan": ran[errs.index(max(errs))]["name"] if errs else None,
+        "solved_ms": solved["median_ms"] if solved else None,
+        "ddp_ms": (model["references"].get("torch DDP") or {}).get("median_ms"),
+        "fsdp2_ms": (model["references"].get("torch FSDP2") or {}).get("median_ms"),
+        "fastest": fastest,
+        "fastest_ms": everything[fastest]["median_ms"] if fastest else None,
+        "solved_over_fastest": solved["median_ms"] / everything[fastest]["median_ms"] if solved and fastest else None,
+        "loss_max_diff": (max(losses.values()) - min(losses.values())) if len(losses) > 1 else None,
+        "loss_max_diff_autoshard": (max(auto_losses) - min(auto_losses)) if len(auto_losses) > 1 else None,
+        "failed": [p["name"] for p in model["plans"] if "error" in p]
+                  + [k for k, v in model["references"].items() if v and "error" in v],
+        "skipped": [p["name"] for p in model["plans"] if "skipped" in p],
+    }
+    out["pass"] = {
+        "solved_over_fastest": None if out["solved_over_fastest"] is None
+        else out["solved_over_fastest"] <= TARGETS["solved_over_fastest"],
+        "spearman": None if out["spearman"] is None else out["spearman"] >= TARGETS["spearman"],
+        "median_err": None if out["median_err"] is None else out["median_err"] <= TARGETS["median_err"],
+    }
+    return out
+
+
+def plot(models: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    lo, hi = math.inf, 0.0
+    cmap = plt.get_cmap("tab10")
+    markers = {"baseline": "o", "solved": "*", "budget": "s", "other_profile": "^", "perturbed": "X"}
+    for i, m in enumerate(models):
+        ran = [p for p in m["plans"] if "measured" in p]
+        for j, p in enumerate(ran):
+            x, y = 1e3 * p["modeled_s"], p["measured"]["median_ms"]
+            ax.scatter([x], [y], color=cmap(i % 10), marker=markers.get(p["kind"], "o"),
+                       s=110 if p["kind"] == "solved" else 30, alpha=0.85, label=m["model"] if j == 0 else None)
+            lo, hi = min(lo, x, y), max(hi, x, y)
+    for kind, mk in markers.items():
+        ax.scatter([], [], color="gray", marker=mk, label=kind.replace("_", " "))
+    if hi > 0:
+        lim = (lo / 1.3, hi * 1.3)
+        ax.plot(lim, lim, "k--", lw=1, label="y = x")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lim)
+        ax.set_ylim(lim)
+    ax.set_xlabel("modeled step time (ms, measured profile)")
+    ax.set_ylabel("measured step time (ms, median)")
+    ax.set_title("autoshard plans on 4 gloo ranks (2x2): modeled vs measured")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- driver -----------------------------------------------------------------------------------------------
+
+def torchrun(argv: list[str], env: dict) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *argv]
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+
+
+def driver(args) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    hw_path = RESULTS / f"{PROFILE_NAME}.yaml"
+    log(f"measuring the hardware profile -> {hw_path}")
+    t0 = time.perf_counter()
+    torchrun(["-m", "autoshard.profile", "--mesh", "x".join(map(str, MESH)), "--name", PROFILE_NAME,
+              "--out", str(hw_path), "--iters", str(args.profile_iters)], env)
+    profile_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        torchrun([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--hardware", str(hw_path),
+                  "--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                  "--warmup", str(args.warmup)], env)
+        data = json.loads(out.read_text())
+    wall_s = time.perf_counter() - t_start
+    report(args, data, hw_path, profile_s, wall_s)
+    return 0
+
+
+def _ms(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _flag(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "NO")
+
+
+def _measured_cell(meas: dict | None) -> str:
+    return "-" if not meas else f"{meas['median_ms']:.1f} ({meas['min_ms']:.0f}-{meas['max_ms']:.0f})"
+
+
+def compact_plans(model: dict, keep: int = 40) -> None:
+    """Replace each full plan by what identifies and prices it (the full plans run to megabytes): its
+    memory decisions, modeled memory/time/communication, solver report, and the graph nodes whose
+    strategy differs from the solved plan's (the first ``keep`` of them, and their count)."""
+    solved = next((p["plan"] for p in model["plans"] if p["name"] == "solved" and "plan" in p), None)
+    for p in model["plans"]:
+        d = p.pop("plan", None)
+        if d is None:
+            continue
+        strategies = {n: v["strategy"] for n, v in d["nodes"].items()}
+        diff = {} if solved is None else {n: s for n, s in strategies.items()
+                                          if solved["nodes"].get(n, {}).get("strategy") != s}
+        p["plan_summary"] = {
+            "hardware": d["hardware"].get("name"), "memory_budget": d["memory_budget"], "segments": d["segments"],
+            "memory": d["memory"], "time": d["time"], "comm": d["comm"], "solver": d["solver"],
+            "reshardings": len(d["reshards"]), "nodes": len(strategies),
+            "strategies_differing_from_solved": len(diff), "differing": dict(list(diff.items())[:keep])}
+
+
+def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> None:
+    import autoshard
+
+    models = data["models"]
+    for m in models:
+        compact_plans(m)
+    summaries = []
+    rows = []
+    for m in models:
+        s = analyse(m)
+        m["summary"] = s
+        summaries.append(s)
+        rows.append([m["model"], s["n_plans_measured"], _ms(s["spearman"], 2), _pct(s["median_err"]),
+                     f"{_pct(s['worst_err'])} ({s['worst_err_plan']})" if s["worst_err"] is not None else "-",
+                     _ms(s["solved_ms"]), _ms(s["ddp_ms"]), _ms(s["fsdp2_ms"]), s["fastest"] or "-",
+                     _ms(s["solved_over_fastest"], 2) + ("x" if s["solved_over_fastest"] is not None else ""),
+                     _flag(s["pass"]["solved_over_fastest"]), _flag(s["pass"]["spearman"]),
+                     _flag(s["pass"]["median_err"]),
+                     f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
+    detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
+              "another profile are re-priced; measured: median (min-max) of the timed steps, rank 0's wall time "
+              "between barriers):", "",
+              "| model | config | decisions | modeled ms | measured ms | error % | step-0 loss | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in models:
+        for p in m["plans"]:
+            meas = p.get("measured")
+            note = []
+            if "same_as" in p:
+                note.append(f"same plan as {p['same_as']}")
+            if "modeled_own_profile_s" in p:
+                note.append(f"{p['solved_under']} modeled {1e3 * p['modeled_own_profile_s']:.3g} ms")
+            if "skipped" in p:
+                note.append(p["skipped"].split(". Raise")[0])
+            if "error" in p:
+                note.append("ERROR " + p["error"].replace("|", "/").replace("\n", " ")[:300])
+            err = None if not meas else 100 * (p["modeled_s"] - meas["median_ms"] / 1e3) / (meas["median_ms"] / 1e3)
+            loss = None if not meas else meas.get("first_loss")
+            detail.append(
+                f"| {m['model']} | {p['name']} | {p.get('decisions', '-')} | "
+                f"{_ms(1e3 * p['modeled_s'], 2) if 'modeled_s' in p else '-'} | {_measured_cell(meas)} | "
+                f"{_ms(err, 0)} | {'-' if loss is None else format(loss, '.6f')} | {'; '.join(note)} |")
+        for name, r in m["references"].items():
+            if r is None:
+                continue
+            if "median_ms" in r:
+                detail.append(f"| {m['model']} | {name} | - | - | {_measured_cell(r)} | - | {r['first_loss']:.6f} | |")
+            else:
+                detail.append(f"| {m['model']} | {name} | - | - | - | - | - | ERROR "
+                              f"{r.get('error', '').replace('|', '/')[:300]} |")
+    hw = autoshard.load_hardware(str(hw_path))
+    prof_line = (f"Measured profile ({hw_path.name}, {profile_s:.0f} s): axis 0 alpha "
+                 f"{1e6 * hw.axes[0].alpha:.0f} us, {1 / hw.axes[0].beta / 1e9:.2f} GB/s; axis 1 alpha "
+                 f"{1e6 * hw.axes[1].alpha:.0f} us, {1 / hw.axes[1].beta / 1e9:.2f} GB/s; "
+                 f"{hw.peak_flops.get('float32', 0) / 1e9:.1f} GFLOP/s fp32; memory "
+                 f"{hw.memory_bandwidth / 1e9:.1f} GB/s.")
+    cnn_note = ""
+    if any(MODELS[m["model"]][0] == "cnn" for m in models):
+        cnn_note = (" CNN: torch DDP/FSDP2 normalise with each rank's batch statistics (SyncBatchNorm needs a GPU), "
+                    "autoshard with the global batch's, so their step-0 losses differ from autoshard's by design.")
+    quick = " QUICK SMOKE RUN (--quick): one model, one round; not a measurement." if args.quick else ""
+    note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1. Step = forward + backward "
+            f"+ AdamW step, fp32, dropout 0; LMs batch {BATCH} x seq {SEQ}, 4 layers, vocab {VOCAB}; CNN batch {BATCH}, "
+            f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
+            f"{args.rounds} interleaved round(s) x {args.steps} step(s) after {args.warmup} warm-up step(s) + step 0. "
+            f"Spearman and errors over the autoshard plans that ran (modeled under the measured profile); "
+            f"fastest over every configuration incl. torch DDP and FSDP2 (fully_shard per block, then the root). "
+            f"Targets: solved/fastest <= {TARGETS['solved_over_fastest']}, Spearman >= {TARGETS['spearman']}, "
+            f"median error <= {100 * TARGETS['median_err']:.0f}%. Step-0 loss diff: max - min step-0 loss (global "
+            f"batch) over the autoshard plans / over all configurations. {prof_line} "
+            f"Whole run {wall_s / 60:.1f} min.{cnn_note}{quick}")
+    data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
+                              "models": {k: MODELS[k] for k in args.models.split(",")}, "rounds": args.rounds,
+                              "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+                              "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
+                              "perturb": {"fraction": PERTURB_FRACTION, "min": PERTURB_MIN, "seed": PERTURB_SEED},
+                              "targets": TARGETS,
+                              "timing": "barrier; forward+backward+AdamW step+zero_grad; barrier (rank 0 wall time)"},
+                 "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
+                 "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
+                 "wall_s": wall_s, "loadavg_at_end": os.getloadavg()})
+    png = RESULTS / "plan_fidelity.png"
+    plot(models, png)
+    write("plan_fidelity", data,
+          ["model", "plans run", "spearman", "median err", "worst err (plan)", "solved ms", "DDP ms", "FSDP2 ms",
+           "fastest", "solved/fastest", "<= 1.05x", "rho >= 0.9", "err <= 20%",
+           "step-0 loss diff (autoshard / all)"],
+          rows, note + "\n" + "\n".join(detail) + f"\n\nPlot: {png.relative_to(ROOT)}.")
+    log(f"wrote {RESULTS / 'plan_fidelity.md'} and {png} in {wall_s / 60:.1f} min")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration per round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration after step 0")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "
+                    "1 warm-up step, a shorter profile")
+    ap.add_argument("--profile-iters", type=int, default=30, help="autoshard profile --iters")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--hardware", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quick:
+        args.models = QUICK_MODEL if args.models == ",".join(MODELS) else args.models.split(",")[0]
+        args.rounds, args.steps, args.warmup, args.profile_iters = 1, 1, 1, min(args.profile_iters, 10)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
