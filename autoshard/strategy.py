@@ -4,8 +4,9 @@ A handler states, for ONE mesh axis, what that axis may shard for its op (an :cl
 a dim of each tensor operand or ``None``, and for each output a dim, ``None`` or :data:`PARTIAL`).
 :func:`expand` takes every combination of those options over the mesh axes, forms ``S01`` where
 both axes pick the same dim, drops combinations whose shapes do not divide, and prices each one:
-compute (roofline of the local shard), forward communication (the all-reduce that resolves a
-partial output), backward communication (the all-reduce of the gradient of an operand that is
+compute of the local shard (the hardware profile's measured curve for the op's family where it has
+one, else the roofline; :func:`compute_seconds`), forward communication (the all-reduce that
+resolves a partial output), backward communication (the all-reduce of the gradient of an operand that is
 replicated on an axis whose computation is split), and memory per device.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .specs import ShardSpec
 if TYPE_CHECKING:
     from .capture import TensorMeta
     from .hardware import HardwareProfile
-    from .opinfo import OpInfo
+    from .opinfo import OpInfo, OpProfile
 
 PARTIAL = "P"
 """Output marker in an :class:`AxisOption`: the output is a pending sum over that axis."""
@@ -185,12 +186,13 @@ def _fits(specs: Sequence[ShardSpec | None], metas: Sequence["TensorMeta | None"
 
 
 def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
-           namer: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec | None], Sequence[AxisOption]], str]
-           ) -> list[Strategy]:
+           namer: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec | None], Sequence[AxisOption]], str],
+           family: str | None = None) -> list[Strategy]:
     """Every valid combination of per-axis ``options`` over the mesh, priced and named.
 
     The replicate option is always added. Mesh axes of size 1 only replicate (sharding over them
-    would duplicate strategies without changing anything).
+    would duplicate strategies without changing anything). ``family`` is the op's handler family
+    (see :func:`compute_seconds`); None prices compute by the roofline.
     """
     from .comm import collective_cost
 
@@ -224,9 +226,8 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
             name=namer(op, in_specs, out_specs, opts),
             input_specs=tuple(in_specs),
             output_specs=tuple(out_specs),
-            compute_fwd=_roofline(profile.fwd_flops / split, _io_bytes(op, in_specs, out_specs), op, hw),
-            compute_bwd=_roofline(profile.bwd_flops / split,
-                                  _io_bytes(op, in_specs, out_specs) * op.n_grad_operands, op, hw),
+            compute_fwd=compute_seconds(op, hw, family, FWD, profile, split, _io_bytes(op, in_specs, out_specs)),
+            compute_bwd=compute_seconds(op, hw, family, BWD, profile, split, _io_bytes(op, in_specs, out_specs)),
             comm=tuple(comm),
             memory=_memory(op, in_specs, out_specs, split, profile),
             split=split,
@@ -269,10 +270,39 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
             + sum(local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs)))
 
 
-def _roofline(flops: float, nbytes: int, op: "OpInfo", hw: "HardwareProfile") -> float:
+# The measured curve (HardwareProfile.compute) that prices an op of each handler family; every other
+# family that is not free (views are) goes by its bytes, as a pointwise op.
+_CURVE_OF_FAMILY = {"matmul": "matmul", "conv": "matmul", "attention": "attention", "norm": "norm",
+                    "loss": "loss"}
+
+
+def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: str, profile: "OpProfile",
+                    split: int, io_bytes: int) -> float:
+    """Seconds of ``phase`` of the local shard of ``op``, whose computation is divided over ``split``
+    devices and whose local forward operands and outputs take ``io_bytes``.
+
+    Where the profile has measured the curve of the op's ``family`` for its dtype, that curve at the
+    local forward work (FLOPs ``profile.fwd_flops / split`` for matmul/conv and attention, else
+    ``io_bytes``); an op with no float operand that needs a gradient, or no float output, has no
+    backward. Otherwise (an unmeasured profile or dtype, or no family given) the roofline:
+    ``max(flops / peak FLOP/s, bytes / memory bandwidth)``, backward bytes counted once per operand
+    that needs a gradient.
+    """
+    from .hardware import COMPUTE_FAMILIES
+
     if op.free:
         return 0.0
-    return max(flops / hw.flops_for(op.compute_dtype), nbytes / hw.memory_bandwidth)
+    if family is not None:
+        curve = _CURVE_OF_FAMILY.get(family, "pointwise")
+        work = profile.fwd_flops / split if COMPUTE_FAMILIES[curve] == "FLOPs" else io_bytes
+        measured = hw.op_seconds(curve, work, phase, op.compute_dtype)
+        if measured is not None:
+            has_backward = op.n_grad_operands > 0 and any(
+                m is not None and m.dtype.is_floating_point for m in op.outputs)
+            return measured if phase == FWD or has_backward else 0.0
+    flops = profile.fwd_flops if phase == FWD else profile.bwd_flops
+    nbytes = io_bytes if phase == FWD else io_bytes * op.n_grad_operands
+    return max(flops / split / hw.flops_for(op.compute_dtype), nbytes / hw.memory_bandwidth)
 
 
 def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCost:

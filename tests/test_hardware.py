@@ -1,12 +1,18 @@
-"""Hardware profiles in configs/hardware (measured compute curves, optimizer and overlap included)
-and the fits of `autoshard profile`."""
+"""Hardware profiles in configs/hardware (measured compute curves, optimizer and overlap included),
+the fits of `autoshard profile`, and the cost model's compute time from a profile."""
 import json
 import math
 
 import pytest
+import torch
 
-from autoshard.hardware import CONFIG_DIR, ComputeCurve, HardwareError, HardwareProfile, OptimizerModel, load_hardware
-from autoshard.profile import ProfileError, fit_alpha_beta, fit_optimizer, overlap_fraction
+from autoshard.capture import capture
+from autoshard.enumerate import node_strategies
+from autoshard.handlers import handler_for
+from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ComputeCurve, HardwareError, HardwareProfile,
+                                OptimizerModel, load_hardware)
+from autoshard.mesh import MeshSpec
+from autoshard.profile import COMPUTE_OPS, ProfileError, fit_alpha_beta, fit_optimizer, op_work, overlap_fraction
 
 PROFILES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -246,3 +252,78 @@ def test_overlap_fraction():
     assert overlap_fraction(1.0, 0.5, 1.25) == pytest.approx(0.5)
     assert overlap_fraction(1.0, 1.0, 2.5) == 0.0          # slower than serial: clamped
     assert overlap_fraction(1.0, 1.0, 0.5) == 1.0          # noise: clamped
+
+
+# -- the cost model prices compute from the curves --------------------------------------------------
+RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
+BWD_RATE = {f: 3 * r for f, r in RATE.items()}
+
+
+def linear_in_work(families=COMPUTE_FAMILIES) -> HardwareProfile:
+    """A profile whose curves are exactly ``RATE[family] * work``, a rate of its own per family (so
+    compute time reveals the curve used and the work it was looked up at)."""
+    return measured(compute={"float32": {
+        f: {"work": [1.0, 1e15], "fwd": [RATE[f], RATE[f] * 1e15], "bwd": [BWD_RATE[f], BWD_RATE[f] * 1e15]}
+        for f in families}})
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _compute_node(fn, args):
+    graph = capture(_Call(fn), tuple(args))
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"
+             and handler_for(n.target) is not None and not handler_for(n.target).free]
+    assert len(nodes) == 1, [str(n.target) for n in nodes]
+    return graph, nodes[0]
+
+
+@pytest.mark.parametrize("family", list(COMPUTE_OPS))
+def test_profiled_work_is_the_work_the_cost_model_prices(family):
+    """What `autoshard profile` times an op at is what the cost model looks the op up at: FLOPs as
+    opinfo counts them, or the bytes of the captured node's operands and outputs."""
+    sizes, builders = COMPUTE_OPS[family]
+    hw = linear_in_work()
+    for build in builders:
+        op = build(sizes[1], torch.float32, torch.device("cpu"))
+        graph, node = _compute_node(op.fn, (op.x, *op.params(0)))
+        (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+        assert strategy.compute_fwd == pytest.approx(RATE[family] * op_work(family, op), rel=1e-9)
+        assert strategy.compute_bwd == pytest.approx(BWD_RATE[family] * op_work(family, op), rel=1e-9)
+
+
+def test_compute_uses_the_curve_of_the_family_and_the_local_work():
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(48, 32, requires_grad=True)
+    graph, node = _compute_node(torch.nn.functional.linear, (x, w))
+    flops = 2 * 64 * 32 * 48
+    only_matmul = linear_in_work(families=["matmul"])
+    for s in node_strategies(graph, node, MeshSpec((2, 2)), only_matmul):
+        assert s.compute_fwd == pytest.approx(RATE["matmul"] * flops / s.split, rel=1e-9)
+        assert s.compute_bwd == pytest.approx(BWD_RATE["matmul"] * flops / s.split, rel=1e-9)
+    # a pointwise op on the same profile has no curve: the roofline, as on a GPU profile
+    graph, node = _compute_node(torch.mul, (x, x + 1))
+    (rep,) = [s for s in node_strategies(graph, node, MeshSpec((1, 1)), only_matmul)]
+    assert rep.compute_fwd == pytest.approx(3 * 64 * 32 * 4 / only_matmul.memory_bandwidth, rel=1e-9)
+    # ... and with a pointwise curve, its local bytes
+    (rep,) = [s for s in node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work())]
+    assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
+
+
+def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_absent_backward():
+    hw = linear_in_work()
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    graph, node = _compute_node(torch.nn.functional.linear, (x, w))
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    io = (64 * 32 + 48 * 32 + 64 * 48) * 2
+    assert rep.compute_fwd == pytest.approx(max(2 * 64 * 32 * 48 / hw.flops_for("bfloat16"),
+                                                io / hw.memory_bandwidth), rel=1e-9)
+    # float32 operands that need no gradient: a measured forward, no backward
+    graph, node = _compute_node(torch.nn.functional.linear, (x.float(), w.float()))
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    assert rep.compute_fwd == pytest.approx(RATE["matmul"] * 2 * 64 * 32 * 48, rel=1e-9) and rep.compute_bwd == 0.0
