@@ -74,6 +74,8 @@ class CommAction:
     phase: str
     operand: str          # "out0", "in1", ... : which tensor it moves (or a description)
     cost: float           # seconds
+    bucketed: bool = False  # a parameter's gradient all-reduce: the runtime batches these into
+                            # buckets after backward (autoshard.comm.grad_buckets), priced there
 
     def __str__(self) -> str:
         ax = "".join(str(a) for a in self.axes)
@@ -109,11 +111,18 @@ class Strategy:
         return self.output_specs[0] if self.output_specs else None
 
     def comm_time(self, phase: str | None = None) -> float:
+        """Seconds of this strategy's own collectives (all, or one phase's), bucketed gradient
+        all-reduces priced one by one (the step-time model prices them as buckets)."""
         return sum(c.cost for c in self.comm if phase is None or c.phase == phase)
+
+    def blocking_comm_time(self, phase: str) -> float:
+        """Seconds of the collectives of ``phase`` that run inline (all but bucketed gradient sync)."""
+        return sum(c.cost for c in self.comm if c.phase == phase and not c.bucketed)
 
     @property
     def total_time(self) -> float:
-        return self.compute_fwd + self.compute_bwd + self.comm_time()
+        """Compute and inline collectives (bucketed gradient sync is priced per step, in buckets)."""
+        return self.compute_fwd + self.compute_bwd + self.blocking_comm_time(FWD) + self.blocking_comm_time(BWD)
 
     def to_dict(self) -> dict:
         return {
@@ -240,11 +249,11 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
     mesh_shape = op.mesh.shape
     actions: list[CommAction] = []
 
-    def add(kind: str, axes: Sequence[int], nbytes: int, phase: str, operand: str) -> None:
+    def add(kind: str, axes: Sequence[int], nbytes: int, phase: str, operand: str, bucketed: bool = False) -> None:
         axes = tuple(a for a in sorted(axes) if mesh_shape[a] > 1)
         if axes and nbytes:
             actions.append(CommAction(kind, axes, nbytes, phase, operand,
-                                      collective_cost(kind, nbytes, axes, mesh_shape, hw)))
+                                      collective_cost(kind, nbytes, axes, mesh_shape, hw), bucketed))
 
     for j, axes in enumerate(out_partial):
         add("all_reduce", axes, local_bytes(op.outputs[j], out_specs[j], mesh_shape), FWD, f"out{j}")
@@ -257,7 +266,8 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
             continue
         # Replicated operand, sharded output: each device's gradient is a partial sum.
         axes = [a for a in out_sharded if a not in in_specs[j].used_axes()]
-        add("all_reduce", axes, local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}")
+        add("all_reduce", axes, local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}",
+            bucketed=op.operand_is_param(j))
     for axis, opt in combo:
         for extra in opt.extra:
             add(extra.kind, [axis], extra.nbytes(op, in_specs, out_specs), extra.phase, extra.what)
