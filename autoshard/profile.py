@@ -248,8 +248,9 @@ def _dtypes(device: torch.device) -> dict[str, torch.dtype]:
 
 # -- compute curves -------------------------------------------------------------------------------------
 # Sizes per family, smallest first; CUDA adds larger ones (a GPU reaches its rate much later).
-MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (8, 1024, 1024), (128, 512, 512),
-                 (256, 768, 768), (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))  # tokens, in, out
+# matmul: tokens, in, out: thin (fewer tokens than features), square and MLP-wide, 1.3e5 .. 9.7e9 FLOPs
+MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (512, 512, 512),
+                 (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
                     (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
