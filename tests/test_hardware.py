@@ -327,3 +327,13 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
     graph, node = _compute_node(torch.nn.functional.linear, (x.float(), w.float()))
     (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
     assert rep.compute_fwd == pytest.approx(RATE["matmul"] * 2 * 64 * 32 * 48, rel=1e-9) and rep.compute_bwd == 0.0
+
+
+def test_cpu_gloo_carries_measured_compute():
+    """The shipped CPU profile is measured by `autoshard profile` (the GPU ones are datasheet rooflines)."""
+    hw = load_hardware("cpu-gloo")
+    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES)
+    assert all(len(c.work) >= 5 for c in hw.compute["float32"].values())
+    assert hw.optimizer is not None and hw.overlap is not None
+    matmul = hw.compute["float32"]["matmul"]
+    assert matmul.work[0] <= 2e5 and matmul.work[-1] >= 5e9      # spans ~1e5 .. ~1e10 FLOPs
