@@ -1,0 +1,91 @@
+"""Step-time pieces that are not one node's: gradient buckets, their schedule beside backward, the
+optimizer step (autoshard.solver.steptime), and that the runtime forms the same buckets."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoshard.comm import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
+from autoshard.hardware import load_hardware
+from autoshard.solver.steptime import (SyncedGradient, SyncPricing, exposed_grad_sync, optimizer_seconds,
+                                       overlap_fraction)
+
+MESH = (2, 2)
+MiB = 2**20
+
+
+def test_buckets_fill_in_reverse_order_of_first_use_per_key():
+    items = [("a", 10 * MiB), ("a", 10 * MiB), ("b", 1 * MiB), ("a", 10 * MiB), ("a", 30 * MiB)]
+    # backward meets item 4 first: it is larger than a bucket and gets one of its own
+    assert grad_buckets(items) == [[4], [3, 1], [2], [0]]
+    assert grad_buckets(items, bucket_bytes=100 * MiB) == [[4, 3, 1, 0], [2]]
+
+
+def test_runtime_buckets_are_the_cost_models():
+    from autoshard.runtime.grad_sync import _make_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4 * MiB, 2 * MiB, 5 * MiB, 1)]
+    axes = [(0, 1), (0, 1), (1,), (0, 1)]
+    buckets = _make_buckets(list(zip(params, axes)), bucket_bytes=20 * MiB)
+    expected = grad_buckets([((a, torch.float32), p.numel() * 4) for p, a in zip(params, axes)], 20 * MiB)
+    assert [[id(p) for p in b.params] for b in buckets] == [[id(params[i]) for i in b] for b in expected]
+    assert [b.axes for b in buckets] == [axes[b[0]] for b in expected]
+
+
+def _gloo(overlap: float | None):
+    return dataclasses.replace(load_hardware("cpu-gloo"), overlap=overlap)
+
+
+def _grads(*ready: float, nbytes: int = MiB) -> list[SyncedGradient]:
+    return [SyncedGradient((0, 1), "torch.float32", nbytes, r) for r in ready]
+
+
+def test_without_overlap_every_bucket_is_waited_for():
+    hw = _gloo(0.0)
+    grads = _grads(9.0, 5.0, 1.0)            # first used first: ready last in backward
+    exposed, total = exposed_grad_sync(grads, backward_end=10.0, mesh_shape=MESH, hw=hw)
+    assert total == pytest.approx(collective_cost("all_reduce", 3 * MiB, (0, 1), MESH, hw))
+    assert exposed == pytest.approx(total)   # one bucket, launched when its last gradient is ready
+
+
+def test_full_overlap_hides_buckets_that_finish_before_backward_ends():
+    hw = _gloo(1.0)
+    big = GRAD_BUCKET_BYTES                  # one bucket per gradient
+    one = collective_cost("all_reduce", big, (0, 1), MESH, hw)
+    early = _grads(2.0 * one, 0.0, nbytes=big)   # second gradient ready at the start of backward
+    exposed, total = exposed_grad_sync(early, backward_end=10 * one, mesh_shape=MESH, hw=hw)
+    assert total == pytest.approx(2 * one) and exposed == pytest.approx(0.0, abs=1e-12)
+    late = _grads(10 * one, 0.0, nbytes=big)      # the last bucket starts when backward ends
+    exposed, _ = exposed_grad_sync(late, backward_end=10 * one, mesh_shape=MESH, hw=hw)
+    assert exposed == pytest.approx(one)
+
+
+def test_partial_overlap_charges_the_hidden_part_at_one_minus_overlap():
+    eta = 0.25
+    hw = _gloo(eta)
+    big = GRAD_BUCKET_BYTES
+    one = collective_cost("all_reduce", big, (0, 1), MESH, hw)
+    exposed, _ = exposed_grad_sync(_grads(0.0, nbytes=big), backward_end=10 * one, mesh_shape=MESH, hw=hw)
+    assert exposed == pytest.approx((1 - eta) * one)
+
+
+def test_ilp_pricing_is_bandwidth_plus_one_latency_per_bucket():
+    hw = _gloo(0.0)
+    price = SyncPricing.of((0, 1), MESH, hw)
+    for nbytes in (GRAD_BUCKET_BYTES, 3 * GRAD_BUCKET_BYTES):
+        buckets = nbytes // GRAD_BUCKET_BYTES
+        exact = buckets * collective_cost("all_reduce", GRAD_BUCKET_BYTES, (0, 1), MESH, hw)
+        assert nbytes * price.seconds_per_byte() == pytest.approx(exact)
+
+
+def test_optimizer_and_overlap_fall_back_without_measurements():
+    gpu = load_hardware("h100-nvlink")
+    assert gpu.optimizer_seconds(1, MiB) is None
+    assert optimizer_seconds(gpu, MiB) == pytest.approx(7 * MiB / gpu.memory_bandwidth)
+    assert overlap_fraction(gpu) == 1.0
+    cpu = load_hardware("cpu-gloo")
+    assert optimizer_seconds(cpu, MiB) == pytest.approx(cpu.optimizer_seconds(1, MiB))
+    assert optimizer_seconds(cpu, 0) == 0.0
+    assert overlap_fraction(dataclasses.replace(cpu, overlap=None)) == 0.0
