@@ -268,9 +268,14 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
         axes = [a for a in out_sharded if a not in in_specs[j].used_axes()]
         add("all_reduce", axes, local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}",
             bucketed=op.operand_is_param(j))
+    # An extra collective several axes ask for runs once over all of them (the kernels reduce
+    # over every axis that shards the statistic at once).
+    extra_axes: dict[ExtraComm, list[int]] = {}
     for axis, opt in combo:
         for extra in opt.extra:
-            add(extra.kind, [axis], extra.nbytes(op, in_specs, out_specs), extra.phase, extra.what)
+            extra_axes.setdefault(extra, []).append(axis)
+    for extra, axes in extra_axes.items():
+        add(extra.kind, axes, extra.nbytes(op, in_specs, out_specs), extra.phase, extra.what)
     return actions
 
 
