@@ -17,7 +17,10 @@ One axis, ring algorithms (``n`` devices, ``B`` = ``nbytes``)::
     all_reduce(B)     = 2 * ((n-1) * alpha + (n-1)/n * B * beta)      (reduce-scatter + all-gather)
     all_to_all(B)     = (n-1) * alpha + (n-1)/n * B * beta            (n-1 pairwise exchanges of B/n)
 
-Both axes (``n = n0 * n1``): the cost is the minimum of three algorithms.
+Both axes (``n = n0 * n1``): the runtime runs such a collective on one group of all devices. A
+profile that measured that group (``HardwareProfile.world``, from ``autoshard profile``) prices it
+as one ring of ``n`` devices over that link. Otherwise the cost is the minimum of three algorithms
+(a topology-aware library such as NCCL picks its own):
 
 - Hierarchical, one stage per axis, for either order of the axes (``x`` first, then ``y``):
   all-gather = all_gather_x(B / n_y) + all_gather_y(B);
@@ -97,7 +100,10 @@ def _hierarchical(kind: str, first: tuple[int, LinkModel], second: tuple[int, Li
     return _ring(nx, lx, nbytes) + _ring(ny, ly, nbytes)  # all-to-all
 
 
-def _two_axes(kind: str, a: tuple[int, LinkModel], b: tuple[int, LinkModel], nbytes: float) -> float:
+def _two_axes(kind: str, a: tuple[int, LinkModel], b: tuple[int, LinkModel], nbytes: float,
+              world: LinkModel | None = None) -> float:
+    if world is not None:       # measured: the ring the runtime's all-device group runs on
+        return _one_axis(kind, a[0] * b[0], world, nbytes)
     slowest = LinkModel(max(a[1].alpha, b[1].alpha), max(a[1].beta, b[1].beta))
     flat = _one_axis(kind, a[0] * b[0], slowest, nbytes)
     return min(_hierarchical(kind, a, b, nbytes), _hierarchical(kind, b, a, nbytes), flat)
@@ -131,7 +137,7 @@ def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: S
         return _one_axis(kind, mesh_shape[a], hw.axes[a], nbytes)
     if len(active) == 2:
         a, b = active
-        return _two_axes(kind, (mesh_shape[a], hw.axes[a]), (mesh_shape[b], hw.axes[b]), nbytes)
+        return _two_axes(kind, (mesh_shape[a], hw.axes[a]), (mesh_shape[b], hw.axes[b]), nbytes, hw.world)
     raise ValueError(f"collectives over more than two mesh axes are not modelled, got {tuple(axes)}")
 
 

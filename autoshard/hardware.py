@@ -118,6 +118,8 @@ class HardwareProfile:
     compute: Mapping[str, Mapping[str, ComputeCurve]] = field(default_factory=dict)  # dtype -> family
     optimizer: OptimizerModel | None = None  # measured optimizer step, None: not measured
     overlap: float | None = None             # fraction of an async all-reduce hidden by compute
+    world: LinkModel | None = None           # measured ring over all devices at once (what a
+                                             # collective over both mesh axes runs on); None: derived
 
     def flops_for(self, dtype_name: str) -> float:
         if dtype_name in self.peak_flops:
@@ -158,6 +160,7 @@ class HardwareProfile:
                 compute=_compute(d),
                 optimizer=_optimizer(d),
                 overlap=_overlap(d),
+                world=_world(d),
             )
         except KeyError as e:
             raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}") from None
@@ -178,6 +181,7 @@ class HardwareProfile:
             **({"optimizer": {"per_tensor": self.optimizer.per_tensor, "per_byte": self.optimizer.per_byte}}
                if self.optimizer is not None else {}),
             **({"overlap": self.overlap} if self.overlap is not None else {}),
+            **({"world": {"alpha": self.world.alpha, "beta": self.world.beta}} if self.world is not None else {}),
             "extra": dict(self.extra),
         }
 
@@ -195,6 +199,18 @@ def _flag(d: Mapping, key: str, default: bool) -> bool:
 
 
 # -- validation of the measured fields --------------------------------------------------------------
+def _world(d: Mapping) -> LinkModel | None:
+    """The measured all-device link, ``world: {alpha: s, beta: s/byte}``, or None."""
+    value = d.get("world")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: world must be a mapping with "
+                            f"alpha (seconds) and beta (seconds per byte), got {value!r}")
+    return LinkModel(_number(d, "world.alpha", value.get("alpha"), "seconds", zero=True),
+                     _number(d, "world.beta", value.get("beta"), "seconds per byte"))
+
+
 def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, high: float = math.inf,
             zero: bool = False) -> float:
     """``value`` as a float, finite, above ``low`` (or equal to it with ``zero``) and at most ``high``."""

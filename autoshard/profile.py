@@ -7,7 +7,8 @@ bandwidth slow each other down, and the profile must say so). One timing helper,
 runs is kept, and then the maximum over ranks (the slowest rank sets the pace of a step).
 
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
-  sizes (all groups of an axis at once) and fits the ring model of :mod:`autoshard.comm`,
+  sizes (all groups of an axis at once, issued back to back as a step issues them, see
+  :func:`_time_all_reduce`) and fits the ring model of :mod:`autoshard.comm`,
   ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on relative error (so the small
   messages that pin down alpha weigh as much as the large ones that pin down beta).
 - **Roofline.** FLOP/s of a large square matmul, memory bandwidth of a large copy (read + write
@@ -198,12 +199,21 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
     return statistics.median(times)
 
 
+_ISSUED_RUN_S = 0.03
+"""Seconds of back-to-back all-reduces per timed run (see :func:`_time_all_reduce`)."""
+
+
 def _time_all_reduce(group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
                      iters: int, warmup: int) -> list[float]:
+    """Seconds per all-reduce, issued back to back as a training step issues its collectives: no
+    barrier between two of them, so each pays for waking the ranks that wait in it. Where ranks
+    share CPU cores that costs milliseconds that a lone barrier-synchronised all-reduce does not
+    show (gloo, 4 ranks on 2 cores: ~7 ms against ~0.5 ms)."""
     out = []
     for size in sizes:
         buf = torch.ones(size // 4, dtype=torch.float32, device=device)
-        out.append(_median_time(lambda: dist.all_reduce(buf, group=group), device, iters, warmup, group))
+        out.append(_median_time(lambda: dist.all_reduce(buf, group=group), device, iters, max(warmup, 1), group,
+                                run_s=_ISSUED_RUN_S))
     return out
 
 
@@ -498,6 +508,9 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     local: dict[str, list[float]] = {}
     for a in measured_axes:
         local[f"all_reduce.{a}"] = _time_all_reduce(dmesh.get_group(a), sizes, device, iters, warmup)
+    both_axes = len(measured_axes) == 2          # collectives over both axes run on the world group
+    if both_axes:
+        local["all_reduce.world"] = _time_all_reduce(dist.group.WORLD, sizes, device, iters, warmup)
     roof = _measure_local(device, iters, warmup)
     local["matmul"] = list(roof.matmul_s.values())
     local["copy"] = [roof.copy_s] + ([roof.host_copy_s] if roof.host_copy_s is not None else [])
@@ -509,6 +522,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     nbytes = [4 * (s // 4) for s in sizes]
     ar_times = {a: agreed[f"all_reduce.{a}"] for a in measured_axes}
     links = {a: fit_alpha_beta(nbytes, ar_times[a], mesh.shape[a]) for a in measured_axes}
+    world = fit_alpha_beta(nbytes, agreed["all_reduce.world"], mesh.size) if both_axes else None
     flops = {k: 2 * roof.matmul_n**3 / t for k, t in zip(roof.matmul_s, agreed["matmul"])}
     mem_bw = 2 * _COPY_BYTES / agreed["copy"][0]
     host_bw = _COPY_BYTES / agreed["copy"][1] if roof.host_copy_s is not None else mem_bw
@@ -529,11 +543,13 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         compute=compute,
         optimizer=optimizer,
         overlap=overlap,
+        world=world,
         extra={"measured": {"backend": dist.get_backend(), "world_size": dist.get_world_size(),
                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": str(torch.__version__),
                             "all_reduce_bytes": nbytes,
                             **{f"all_reduce_seconds_axis{a}": ar_times[a] for a in measured_axes},
+                            **({"all_reduce_seconds_world": agreed["all_reduce.world"]} if both_axes else {}),
                             "compute_sizes": {f: [list(s) if isinstance(s, tuple) else s
                                                   for s in _compute_sizes(f, device, compute_points)]
                                               for f in COMPUTE_OPS},
@@ -570,7 +586,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"{world} ranks on {cores} CPU cores ({torch.get_num_threads()} torch threads per rank), "
         f"torch {torch.__version__}.",
         f"Axes: all-reduce of {format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, median of {iters} "
-        f"barrier-synchronised runs, max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
+        f"runs of all-reduces issued back to back for {_ISSUED_RUN_S * 1e3:.0f} ms (as a step issues them), "
+        f"max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
         f"least squares on relative error.",
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
@@ -630,6 +647,9 @@ def _summary(p: HardwareProfile, out: str, seconds: float) -> str:
     lines = [f"wrote {out} (measured in {seconds:.0f} s)"]
     for a, link in enumerate(p.axes):
         lines.append(f"  axis {a}: alpha {link.alpha * 1e6:.1f} us, bandwidth {1 / link.beta / 1e9:.2f} GB/s")
+    if p.world is not None:
+        lines.append(f"  all devices (both axes): alpha {p.world.alpha * 1e6:.1f} us, "
+                     f"bandwidth {1 / p.world.beta / 1e9:.2f} GB/s")
     lines += [f"  {k}: {v / 1e9:.1f} GFLOP/s (roofline fallback)" for k, v in p.peak_flops.items()]
     lines.append(f"  memory bandwidth {p.memory_bandwidth / 1e9:.1f} GB/s, "
                  f"memory per device {format_bytes(p.memory_per_device)}")

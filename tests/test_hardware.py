@@ -337,3 +337,28 @@ def test_cpu_gloo_carries_measured_compute():
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
     assert matmul.work[0] <= 2e5 and matmul.work[-1] >= 5e9      # spans ~1e5 .. ~1e10 FLOPs
+
+
+def test_a_measured_world_link_prices_collectives_over_both_axes():
+    """The runtime runs a collective over both mesh axes on one group of all devices: a profile
+    that measured that group prices it as one ring over it; without one, the best of the
+    hierarchical and flat algorithms over the two axis links."""
+    import dataclasses
+
+    from autoshard.comm import collective_cost
+    from autoshard.hardware import HardwareProfile, LinkModel, load_hardware
+
+    hw = load_hardware("h100-nvlink")
+    world = LinkModel(alpha=1e-3, beta=1e-9)
+    measured = dataclasses.replace(hw, world=world)
+    n, nbytes = 4, 2**20
+    expected = 2 * ((n - 1) * world.alpha + (n - 1) / n * nbytes * world.beta)
+    assert collective_cost("all_reduce", nbytes, (0, 1), (2, 2), measured) == pytest.approx(expected)
+    assert collective_cost("all_reduce", nbytes, (0, 1), (2, 2), hw) < expected
+    assert collective_cost("all_reduce", nbytes, (1,), (2, 2), measured) == \
+        collective_cost("all_reduce", nbytes, (1,), (2, 2), hw)
+    again = HardwareProfile.from_dict(measured.to_dict())
+    assert again.world == world
+    bad = {**measured.to_dict(), "world": {"alpha": 1e-3, "beta": -1.0}}
+    with pytest.raises(HardwareError, match="world.beta"):
+        HardwareProfile.from_dict(bad)
