@@ -108,6 +108,12 @@ class OpInfo:
     def operand_is_param(self, j: int) -> bool:
         return self.graph.is_param(self.operand_nodes[j])
 
+    def operand_arange_dim(self, j: int) -> int | None:
+        """The dim along which operand ``j`` holds its own position (see :func:`arange_dim`)."""
+        if self.operands[j].dtype.is_floating_point or self.operands[j].dtype == torch.bool:
+            return None
+        return arange_dim(self.graph, self.operand_nodes[j])
+
     @property
     def n_grad_operands(self) -> int:
         return sum(self.operand_requires_grad(j) for j in range(len(self.operands)))
@@ -134,12 +140,87 @@ class OpInfo:
             _freeze(pytree.tree_map(lambda x: _node_key(self, x) if isinstance(x, fx.Node) else x,
                                     (self.node.args, self.node.kwargs))),
             self.mesh.shape,
+            # rules may read this graph fact (index tensors built from an arange)
+            tuple(self.operand_arange_dim(j) for j in range(len(self.operands))),
         )
 
     def profile(self) -> OpProfile:
         if self.free:
             return ZERO_PROFILE
         return _profile_cached(self)
+
+
+_aten = torch.ops.aten
+# Ops whose value is their first operand's, element for element and in the same shape.
+_SAME_VALUES = {_aten.clone.default, _aten.contiguous.default, _aten.alias.default,
+                _aten.detach.default, _aten.lift_fresh_copy.default}
+# Casts: the same values when the new dtype is an integer type that holds them.
+_CASTS = {_aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten._to_copy.default,
+          _aten.type_as.default}
+# Shape ops that may only add or drop size-1 dims (anything else is refused by shape).
+_UNIT_RESHAPES = {_aten.unsqueeze.default, _aten.squeeze.default, _aten.squeeze.dim,
+                  _aten.squeeze.dims, _aten.view.default, _aten.reshape.default,
+                  _aten._unsafe_view.default, _aten.flatten.using_ints, _aten.unflatten.int}
+
+
+def arange_dim(graph: "CapturedGraph", node: fx.Node, _depth: int = 0) -> int | None:
+    """The dim ``b`` along which ``node``'s integer value is its own position: ``v[..., i, ...] = i``
+    for ``i < n = shape[b]``, ``n > 1``, the same at every position of its other dims. None when
+    the graph does not show it.
+
+    Read from the graph, not from values: an ``arange(n)`` (start 0, step 1) followed by ops that
+    keep the property - reshapes that only add or drop size-1 dims (unsqueeze, squeeze, view),
+    expand, permute/transpose, adding or subtracting a literal 0, clones and casts to an integer
+    type that holds ``n - 1``. (``x[batch_idx, kv_idx]`` with ``batch_idx = arange(B)[:, None,
+    None, None]`` is Hugging Face's padding mask.)
+    """
+    meta = graph.tensor_meta(node)
+    if _depth > 32 or meta is None or isinstance(meta, tuple) or node.op != "call_function":
+        return None
+    if meta.dtype.is_floating_point or meta.dtype.is_complex or meta.dtype == torch.bool:
+        return None
+    shape, target, args = tuple(meta.shape), node.target, node.args
+    if target in (_aten.arange.default, _aten.arange.start, _aten.arange.start_step):
+        named = dict(zip(("start", "end", "step") if len(args) > 1 else ("end",), args))
+        named.update({k: v for k, v in node.kwargs.items() if k in ("start", "step")})
+        ok = named.get("start", 0) == 0 and named.get("step", 1) == 1
+        return 0 if ok and len(shape) == 1 and shape[0] > 1 else None
+    src = args[0] if args and isinstance(args[0], fx.Node) else None
+    src_meta = graph.tensor_meta(src) if src is not None else None
+    if src is None or src_meta is None or isinstance(src_meta, tuple):
+        return None
+    if target in _CASTS:
+        if src_meta.dtype == meta.dtype or torch.iinfo(meta.dtype).max >= max(shape, default=0):
+            target = _aten.alias.default
+        else:
+            return None
+    if target in (_aten.add.Tensor, _aten.sub.Tensor):
+        literal_zero = len(args) == 2 and type(args[1]) is int and args[1] == 0
+        if not literal_zero or node.kwargs.get("alpha", 1) != 1:
+            return None
+        target = _aten.alias.default
+    b = arange_dim(graph, src, _depth + 1)
+    if b is None:
+        return None
+    in_shape = tuple(src_meta.shape)
+    if target in _SAME_VALUES:
+        return b if in_shape == shape else None
+    if target in _UNIT_RESHAPES:
+        kept_in = [d for d, s in enumerate(in_shape) if s != 1]
+        kept_out = [d for d, s in enumerate(shape) if s != 1]
+        if [in_shape[d] for d in kept_in] != [shape[d] for d in kept_out]:
+            return None
+        return kept_out[kept_in.index(b)]
+    if target is _aten.expand.default:
+        lead = len(shape) - len(in_shape)
+        return b + lead if lead >= 0 and shape[b + lead] == in_shape[b] else None
+    if target is _aten.permute.default:
+        perm = [d % len(shape) for d in args[1]]
+        return perm.index(b)
+    if target is _aten.transpose.int:
+        d0, d1 = (d % len(shape) for d in args[1:3])
+        return d1 if b == d0 else d0 if b == d1 else b
+    return None
 
 
 def tensor_operand_nodes_index(op: OpInfo, x: fx.Node) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 
 from autoshard.enumerate import enumerate_strategies, node_strategies
 from autoshard.handlers import handler_for
+from autoshard.handlers.registry import default_kernel
 from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
 from autoshard.opinfo import OpInfo
@@ -75,6 +76,21 @@ CASES: dict[str, tuple[Callable, tuple]] = {
     "index": (lambda m, x, i, j: (
         x[i], x[:, i], x[:, j], x[i, :, i], x[i[:, None], i[None, :]], x[j[:, None, :], 1:2]),
               (f32(4, 4, 8), IDX4, IDX44)),
+    # Indices built from an arange over the whole dim they address (Hugging Face's padding mask
+    # mask[batch_idx, kv_idx]): that dim of x may be cut with them. Adjacent indexed dims (in
+    # place, after a None), non-adjacent ones (to the front), broadcast shapes, an arange beside
+    # an arbitrary index on one dim, a diagonal, chains (+ 0, cast, view/expand/transpose), and
+    # aranges that do not qualify (short of the dim, not starting at 0).
+    "index_arange": (lambda m, x, y, i: (
+        (y > 0)[torch.arange(4)[:, None, None, None], (torch.arange(8) + 0)[None, None, None, :]],
+        y[torch.arange(4)[:, None], torch.arange(8).to(torch.int32)[None, :]],
+        x[:, torch.arange(4)[:, None], i[None, :]],
+        x[torch.arange(4), :, i],
+        x[torch.arange(4)[:, None], :, torch.arange(8)[None, :]],
+        x[torch.arange(4), torch.arange(4)],
+        x[torch.arange(4).view(1, 4).expand(2, 4).transpose(0, 1)],
+        x[..., torch.arange(4)], x[torch.arange(1, 5) % 4]),
+                     (f32(4, 4, 8), f32(4, 8), IDX4)),
     "split_cat": (lambda m, x, y: (
         x.split(2, 1), x.split([1, 3], 1), x.chunk(2, -1), x.unbind(1), torch.cat([x, y], 1),
         torch.cat([x, y, x], -1), torch.stack([x, y], 1), torch.stack([x, y], -1)),
@@ -274,6 +290,67 @@ def test_index_tensor_layouts():
     ns, *_ = _strategies(lambda m, x, i: x[i, :, i[:4] % 4], (f32(4, 4, 8), IDX4), aten.index.Tensor)
     assert any(s.input_specs[0].dims[1] and s.output_specs[0].dims[1] for s in ns.strategies)
     assert not any(s.input_specs[0].dims[0] or s.input_specs[0].dims[2] for s in ns.strategies)
+
+
+def _x_cut_on(ns) -> set[int]:
+    return {d for s in ns.strategies for d, axes in enumerate(s.input_specs[0].dims) if axes}
+
+
+def test_index_with_arange_indices_cuts_the_indexed_dim():
+    # Hugging Face's padding mask: mask[arange(B)[:, None, None, None], arange(S)[None, None, None, :]].
+    mask = lambda m, y: (y > 0)[torch.arange(4)[:, None, None, None], torch.arange(8)[None, None, None, :]]
+    ns, graph, node, values = _strategies(mask, (f32(4, 8),), aten.index.Tensor)
+    assert {"S01RRR = S01R, S01RRR, RRRR", "S0RRS1 = S0S1, S0RRR, RRRS1"} <= {s.name for s in ns.strategies}
+    # The arange is the index's only sharded form: x replicated beside a cut index is not offered
+    # (mixed over the two axes it would be wrong, see test_checker_rejects_mixed_arange_cut).
+    assert all(s.input_specs[0].dims[0] == s.input_specs[1].dims[0] for s in ns.strategies)
+    # Through + 0, a cast, view/expand/transpose; and beside an arbitrary index on the same dim.
+    ns, *_ = _strategies(lambda m, x: x[(torch.arange(4) + 0).int().view(1, 4).expand(2, 4).transpose(0, 1)],
+                         (f32(4, 8),), aten.index.Tensor)
+    assert _x_cut_on(ns) == {0, 1}
+    ns, *_ = _strategies(lambda m, x, i: x[torch.arange(4), :, i], (f32(4, 4, 8), IDX4), aten.index.Tensor)
+    assert _x_cut_on(ns) == {0, 1}
+    # Not an arange over the whole dim: short of it, not from 0, or an input holding one.
+    for fn, args, cut in [(lambda m, x: x[:, torch.arange(4)], (f32(4, 8),), {0}),
+                          (lambda m, x: x[torch.arange(1, 5) % 4], (f32(4, 8),), {1}),
+                          (lambda m, x: x[torch.arange(1, 5)], (f32(8, 8),), {1}),
+                          (lambda m, x, i: x[i], (f32(4, 8), torch.arange(4)), {1})]:
+        ns, *_ = _strategies(fn, args, aten.index.Tensor)
+        assert _x_cut_on(ns) == cut
+
+
+def test_index_strategies_depend_on_where_the_indices_come_from():
+    """Two index nodes alike in shapes share no strategy list when only one index is an arange."""
+    graph, _ = export_nodes(Fn(lambda m, x, i: (x[torch.arange(4)], x[i])), (f32(4, 8), IDX4))
+    table = enumerate_strategies(graph, mesh_shape=(2, 2))
+    a, b = [n.name for n in graph.graph.nodes if n.target is aten.index.Tensor]
+    assert "S01R = S01R, S01" in {s.name for s in table[a].strategies}
+    assert all(s.input_specs[0].dims[0] == () for s in table[b].strategies)
+
+
+def test_checker_rejects_mixed_arange_cut():
+    """Why the arange index has one sharded form: x replicated on the outer axis and cut on the
+    inner one (index cut on both) hands device (1, 0) index block 2 = rows 4..5 of x, which lie
+    in x's block 0 (rows 0..3) on axis 1 - out of bounds; and the default kernel (no rebasing)
+    is wrong too."""
+    ns, graph, node, values = _strategies(lambda m, x: x[torch.arange(8)], (f32(8, 4),), aten.index.Tensor)
+    op = OpInfo(node, graph, MeshSpec.of((2, 2)))
+    handler = handler_for(node.target)
+    hw = load_hardware("h100-nvlink")
+    plain, aligned = AxisOption((None, 0), (0,), "i0"), AxisOption((0, 0), (0,), "x0i0")
+    mixed = [s for s in expand(op, [plain, aligned], hw, default_name)
+             if s.input_specs[0].dims[0] == (1,) and s.input_specs[1].dims[0] == (0, 1)]
+    assert mixed
+    with pytest.raises((AssertionError, IndexError)):
+        check_strategy(op, handler, mixed[0], operand_values(op, values))
+    good = ns.by_name("S01R = S01R, S01")
+    check_strategy(op, handler, good, operand_values(op, values))
+
+    class NoRebase:
+        kernel = staticmethod(default_kernel)
+
+    with pytest.raises((AssertionError, IndexError)):
+        check_strategy(op, NoRebase, good, operand_values(op, values))
 
 
 def test_arange_creates_local_block():

@@ -14,7 +14,9 @@ is then sharded there). Per op only the dim map differs:
   with the input replicated (the input's gradient is then a partial sum, all-reduced).
 - slice/narrow/select/index/gather/split/cat: the dim that is cut, indexed, split or joined stays
   replicated (unless a slice covers it fully); every other dim carries its sharding. Index
-  tensors may instead be sharded on their own (batch) dims, which shards the output there.
+  tensors may instead be sharded on their own (batch) dims, which shards the output there; an
+  index that is an arange over the whole dim it addresses (Hugging Face's ``mask[batch_idx,
+  kv_idx]``) lets that dim of x be sharded with it, block for block.
 
 Local kernels rewrite size arguments to local sizes (view/reshape/expand/unflatten shapes).
 Casts (``to.*``, ``type_as``) keep the local shard's device: the device captured in the graph is
@@ -358,19 +360,85 @@ def index_layout(op: OpInfo) -> tuple[dict[int, int], list[tuple[int, list[int |
     return x_map, batch
 
 
-@register(aten.index.Tensor, family="index",
-          doc="x[i0, i1, ...]: shard a non-indexed dim of x, or an index batch dim (x replicated)")
+def _aligned_indices(op: OpInfo) -> list[tuple[int, int, int]]:
+    """``(k, d, b)``: index operand ``k`` (of ``x[indices]``) indexes dim ``d`` of x with the
+    positions ``0..n-1`` of its own dim ``b``, ``n`` being the size of that dim (an arange, see
+    :func:`autoshard.opinfo.arange_dim`). Then block ``j`` of that index dim addresses exactly
+    block ``j`` of x's dim ``d``."""
+    positions = [i for i, t in enumerate(op.args[1]) if t is not None]
+    out = []
+    for k, d in enumerate(positions):
+        b = op.operand_arange_dim(1 + k)
+        if b is not None and op.shape(1 + k)[b] == op.shape(0)[d]:
+            out.append((k, d, b))
+    return out
+
+
+def local_index(x: torch.Tensor, indices: Sequence[Any], *, rebase: Sequence[tuple[int, tuple[int, ...], int]],
+                comm: Any) -> torch.Tensor:
+    """``x[indices]`` on a block of x: ``rebase`` lists ``(position, axes, block)`` for each index
+    that addresses a dim of x sharded over ``axes`` in blocks of ``block`` - its global values are
+    made local by subtracting this device's first position."""
+    indices = list(indices)
+    for pos, axes, block in rebase:
+        indices[pos] = indices[pos] - comm.shard_index(axes) * block
+    return aten.index.Tensor(x, indices)
+
+
+def _index_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """Indices address x's own dims, so a non-indexed dim of x may be cut as it is (the default
+    kernel); an indexed dim of x is only ever sharded together with its aligned index, whose
+    global values are then moved to the local block."""
+    x_spec = strategy.input_specs[0]
+    indices = op.args[1]
+    rebase = []
+    for pos, t in enumerate(indices):
+        if t is not None and x_spec.dims[pos]:
+            axes = tuple(x_spec.dims[pos])
+            block = op.shape(0)[pos] // math.prod(op.mesh.shape[a] for a in axes)
+            rebase.append((pos, axes, block))
+    if not rebase:
+        return default_kernel(op, strategy)
+    return LocalKernel(local_index, (op.args[0], indices), {"rebase": tuple(rebase)}, uses_comm=True)
+
+
+@register(aten.index.Tensor, family="index", kernel=_index_kernel,
+          doc="x[i0, i1, ...]: shard a non-indexed dim of x; or an index batch dim (x replicated, or "
+              "cut on the dim an arange index addresses)")
 def index_rules(op: OpInfo) -> list[AxisOption]:
-    """index(x, [idx or None, ...]): indexed dims of x stay replicated. Boolean masks (data-
-    dependent shapes) are replicate-only."""
+    """index(x, [idx or None, ...]). Per mesh axis, one of:
+
+    - a dim of x no index addresses (a None entry, or past the last index), the output cut on the
+      dim it lands on (in place when the indexed dims are adjacent, after the index block when
+      they are not); the indices replicated;
+    - a dim of the broadcast index shape: every index that does not broadcast there is cut on
+      it, and so is the output; x replicated (indices address all of it) - or, when an index
+      is an arange along that dim over the whole of the dim ``d`` of x it addresses, x cut on
+      ``d`` too: block ``j`` of the index then addresses exactly block ``j`` of x (the kernel
+      subtracts the block's first position from the index).
+
+    Where such an arange index exists, its form is the only one offered for that index dim:
+    mixed over two mesh axes, x replicated on the outer axis and cut on the inner one, a device
+    would hold an index block whose positions lie outside its block of x (likewise two arange
+    indices cutting two dims of x). Cutting x loses nothing: from a replicated x it is a local
+    slice, and x's gradient then comes back sharded instead of as a partial sum.
+
+    Boolean masks (data-dependent shapes) are replicate-only.
+    """
     n = len(op.operands)
     if n == 1 or any(m.dtype == torch.bool for m in op.operands[1:]):
         return []
     x_map, batch = index_layout(op)
     options = [AxisOption((d,) + (None,) * (n - 1), (o,), f"d{d}") for d, o in x_map.items()
                if op.shape(0)[d] > 1]
+    start, b_rank = batch[0][0], len(batch)
+    aligned: dict[int, int] = {}                  # output dim -> the x dim its arange index cuts
+    for k, d, b in _aligned_indices(op):
+        aligned.setdefault(start + b + b_rank - len(op.shape(1 + k)), d)
     for o, dims in batch:
-        if any(d is not None for d in dims):
+        if o in aligned:
+            options.append(AxisOption((aligned[o], *dims), (o,), f"x{aligned[o]}i{o}"))
+        elif any(d is not None for d in dims):
             options.append(AxisOption((None, *dims), (o,), f"i{o}"))
     return options
 

@@ -61,6 +61,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "embedding": (lambda: Fn(lambda m, i: m.emb(i), emb=nn.Embedding(16, 8)), lambda: (_i(16, 4, 4),)),
     "gather": (lambda: Fn(lambda m, x, i: torch.gather(x, 1, i)), lambda: (_x(4, 8), _i(8, 4, 4))),
     "index": (lambda: Fn(lambda m, x, i: x[i]), lambda: (_x(8, 8), _i(8, 4))),
+    "index_arange": (lambda: Fn(lambda m, x, i: x[torch.arange(8, device=x.device)[:, None], :, i[None, :]]),
+                     lambda: (_x(8, 4, 8), _i(8, 4))),
     "index_select": (lambda: Fn(lambda m, x, i: torch.index_select(x, 0, i)), lambda: (_x(8, 8), _i(8, 4))),
     "cross_entropy": (lambda: Fn(lambda m, x, t: F.cross_entropy(x, t)), lambda: (_x(8, 16), _i(16, 8))),
     # pointwise, masks, factories
