@@ -58,6 +58,8 @@ class AxisOption:
     outputs: tuple[int | str | None, ...]
     tag: str = ""
     extra: tuple[ExtraComm, ...] = ()
+    combine: str = ""     # options with different non-empty keys never share a strategy (their
+                          # outputs resolve differently, e.g. a loss that is partial vs replicated)
 
     @property
     def splits_compute(self) -> bool:
@@ -218,6 +220,8 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
     seen: set = set()
     out: list[Strategy] = []
     for combo in itertools.product(*per_axis):
+        if len({o.combine for _, o in combo} - {""}) > 1:
+            continue
         built = _specs_for(combo, op.operands, op.outputs)
         if built is None:
             continue
@@ -345,8 +349,13 @@ def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCos
 
 def default_name(op: "OpInfo", in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None],
                  options: Sequence[AxisOption]) -> str:
-    """``OUT = IN0, IN1`` in compact spec notation."""
-    outs = ", ".join(str(s) for s in out_specs if s is not None) or "()"
+    """``OUT = IN0, IN1`` in compact spec notation, a partial output marked ``+P<axes>`` (two
+    strategies with the same specs may differ only in that)."""
+    def out(j: int, spec: ShardSpec) -> str:
+        partial = "".join(str(a) for a, o in enumerate(options) if o.outputs[j] == PARTIAL)
+        return f"{str(spec) or '()'}+P{partial}" if partial else str(spec)
+
+    outs = ", ".join(out(j, s) for j, s in enumerate(out_specs) if s is not None) or "()"
     ins = ", ".join(str(s) for s in in_specs) or "()"
     return f"{outs} = {ins}"
 

@@ -217,11 +217,11 @@ def test_reduction_keeps_dims_and_partial_is_replicated_on_its_axis(exported):
     graph, _, node = exported(REDUCTION_CASES, "mean_last_keep")
     ns = node_strategies(graph, node, MeshSpec((2, 2)), HW)
     # batch on axis 0, reduced dim on axis 1: output S0RR, forward all-reduce over axis 1
-    s = ns.by_name("S0RR = S0RS1")
+    s = ns.by_name("S0RR+P1 = S0RS1")        # the name marks the pending sum
     assert [(c.phase, c.operand, c.axes) for c in s.comm] == [("fwd", "out0", (1,))]
     graph, _, node = exported(REDUCTION_CASES, "sum_dim")
     names = node_strategies(graph, node, MeshSpec((2, 2)), HW).names()
-    assert "S0S1 = S0RS1" in names and "RR = RS01R" in names
+    assert "S0S1 = S0RS1" in names and "RR+P01 = RS01R" in names
 
 
 SOFTMAX_CASES: dict[str, tuple] = {

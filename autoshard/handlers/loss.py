@@ -10,7 +10,10 @@ class probabilities shaped like the input. Per mesh axis:
   targets, or their summed class weights): the kernel all-reduces that denominator (an
   ``ExtraComm``), so rows with ``ignore_index`` are counted exactly. Probability targets divide
   by the global row count, a static number. (The class weight is replicated here; aten's
-  nll_loss is not differentiable in it, so it never needs a gradient all-reduce.)
+  nll_loss is not differentiable in it, so it never needs a gradient all-reduce.) A mean over
+  class-index targets may instead come out replicated from ONE all-reduce of the local sum and
+  denominator together (``row<d>-global``): the partial form needs two (the denominator, then
+  the partial output), which is what a data-parallel step pays for its loss.
 - ``c``: the classes (vocab-parallel, as Megatron's parallel cross-entropy): input dim 1, class
   weight dim 0, a probability target dim 1; class-index targets replicated. Each device
   forms its log-softmax from the all-reduced max and sum of exponentials (ExtraComms, the sum
@@ -74,6 +77,9 @@ def _denominator_bytes(op: OpInfo, ins, outs) -> int:
 
 
 _DENOMINATOR = ExtraComm("all_reduce", FWD, _denominator_bytes, "loss denominator")
+_GLOBAL = "-global"    # tag suffix of the row options whose output is replicated (one fused all-reduce);
+                       # they combine only with each other (AxisOption.combine)
+_SUM_AND_DENOMINATOR = ExtraComm("all_reduce", FWD, lambda op, ins, outs: 16, "loss sum and denominator")
 _MAX = ExtraComm("all_reduce", FWD, _row_stat_bytes, "softmax max")
 _SUMEXP = ExtraComm("all_reduce", FWD, _row_stat_bytes, "softmax sum-exp")
 _SUMEXP_GRAD = ExtraComm("all_reduce", BWD, _row_stat_bytes, "softmax sum-exp grad")
@@ -91,14 +97,17 @@ def loss_rules(op: OpInfo) -> list[AxisOption]:
         td = loss.target_dim(d)
         out = td if loss.reduction == NONE else PARTIAL
         extra = (_DENOMINATOR,) if mean_by_count else ()
-        options.append(option(n, {loss.x: d, loss.t: td}, (out,), f"row{td}", extra))
+        options.append(option(n, {loss.x: d, loss.t: td}, (out,), f"row{td}", extra, combine="partial"))
+        if mean_by_count:
+            options.append(option(n, {loss.x: d, loss.t: td}, (None,), f"row{td}{_GLOBAL}",
+                                  (_SUM_AND_DENOMINATOR,), combine="replicated"))
     dims = {loss.x: loss.cdim, loss.t: loss.cdim if loss.prob_target else None}
     if loss.w is not None:
         dims[loss.w] = 0
     extra: tuple[ExtraComm, ...] = (_MAX, _SUMEXP, _SUMEXP_GRAD) if _is_ce(op) else ()
     if mean_by_count and loss.w is not None:
         extra += (_DENOMINATOR,)
-    options.append(option(n, dims, (PARTIAL,), "c", extra))
+    options.append(option(n, dims, (PARTIAL,), "c", extra, combine="partial"))
     return options
 
 
@@ -112,6 +121,10 @@ def loss_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
         return default_kernel(op, strategy)
     weight = op.operand_nodes[loss.w] if loss.w is not None else None
     args = (op.operand_nodes[loss.x], op.operand_nodes[loss.t], weight)
+    if any(tag.endswith(_GLOBAL) for tag in strategy.tags):     # every sharding axis a global row
+        kwargs = dict(ignore_index=loss.ignore_index, label_smoothing=loss.label_smoothing, row_axes=row_axes,
+                      log_softmax=_is_ce(op))
+        return LocalKernel(replicated_mean_loss, args, kwargs, uses_comm=True)
     kwargs = dict(reduction=loss.reduction, ignore_index=loss.ignore_index,
                   label_smoothing=loss.label_smoothing, row_axes=row_axes, class_axes=class_axes,
                   n_classes=loss.n_classes, n_rows=loss.rows, log_softmax=_is_ce(op))
@@ -158,6 +171,21 @@ def sharded_class_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         return terms.sum()
     return terms.sum() / _global_denominator(target, weight, ignore_index, start, row_axes, comm,
                                              class_axes)
+
+
+def replicated_mean_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, *,
+                         ignore_index: int, label_smoothing: float, row_axes: tuple[int, ...],
+                         log_softmax: bool, comm) -> torch.Tensor:
+    """The whole batch's mean loss on every device, rows sharded over ``row_axes``: the local sum
+    and denominator go through one all-reduce (float64, so a count stays exact; identity backward:
+    every device holds the same mean and differentiates its own rows)."""
+    args = (x, target, weight, SUM, ignore_index) + ((label_smoothing,) if log_softmax else ())
+    total = (aten.cross_entropy_loss.default if log_softmax else aten.nll_loss_nd.default)(*args)
+    kept = target != ignore_index
+    count = kept.sum() if weight is None else torch.where(kept, weight[torch.where(kept, target, 0)], 0).sum()
+    both = torch.stack([total.to(torch.float64), count.detach().to(torch.float64)])
+    both = comm.all_reduce(both, row_axes, backward="identity")
+    return (both[0] / both[1]).to(total.dtype)
 
 
 def _parallel_log_softmax(x: torch.Tensor, cdim: int, class_axes: tuple[int, ...], comm) -> torch.Tensor:

@@ -30,12 +30,12 @@ def operand_slots(op: OpInfo) -> dict[str, int]:
 
 
 def option(n_operands: int, dims: dict[int, int | None], outputs: Sequence[int | str | None],
-           tag: str, extra: tuple = ()) -> AxisOption:
+           tag: str, extra: tuple = (), combine: str = "") -> AxisOption:
     """An :class:`AxisOption` from ``{operand index: dim}`` (unlisted operands replicated)."""
     inputs: list[int | None] = [None] * n_operands
     for j, d in dims.items():
         inputs[j] = d
-    return AxisOption(tuple(inputs), tuple(outputs), tag, extra)
+    return AxisOption(tuple(inputs), tuple(outputs), tag, extra, combine)
 
 
 def set_arg(args: Sequence, kwargs: dict, index: int, name: str, value: Any) -> tuple[tuple, dict]:
