@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture import CapturedGraph, capture
-from .enumerate import enumerate_strategies
+from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
 from .plans import Plan
@@ -38,7 +38,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          memory_budget: "int | float | str | None" = None, optimizer_bytes_per_param: float = 8.0,
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
-         name: str | None = None, check_batch: bool = True, baseline: str | None = None) -> Plan:
+         name: str | None = None, check_batch: bool = True, baseline: str | None = None,
+         outputs: str = "global") -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -54,8 +55,15 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     the mesh size to divide dim 0 of every input tensor. ``baseline``: instead of the free
     optimum, the best plan of a hand-written family (``"data_parallel"``, ``"megatron"``,
     ``"zero3"``; see :mod:`autoshard.solver.baselines`), memory decisions fixed to keep.
+    ``outputs``: how :func:`autoshard.parallelize` returns the model's outputs: ``"global"``
+    (every tensor output whole on every rank, gathered as the plan prices it) or ``"local"``
+    (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
+    collective and nothing priced for it; 0-dim outputs such as a loss stay global). Use
+    ``"local"`` when the training loop only needs the loss, as with DDP, where each rank keeps
+    its own logits.
 
-    Raises :class:`MeshError` (malformed mesh, or a batch the mesh does not divide),
+    Raises ValueError (an unknown ``solver``, ``fallback`` or ``outputs``), :class:`MeshError`
+    (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
     and :class:`~autoshard.solver.ilp.InfeasibleBudgetError` (naming the smallest feasible budget).
@@ -65,6 +73,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     budget = _budget(memory_budget, hw)
     _check_choice("solver", solver, _SOLVERS)
     _check_choice("fallback", fallback, _FALLBACKS)
+    _check_choice("outputs", outputs, OUTPUT_MODES)
     if check_batch:
         _check_batch(_input_shapes(model_or_graph, args, kwargs), mesh_spec)
     options = SolverOptions(memory_budget=budget, optimizer_bytes_per_param=float(optimizer_bytes_per_param),
@@ -73,7 +82,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     with stages("capture_s", f"capturing {name or _label(model_or_graph)}"):
         graph = _captured(model_or_graph, args, kwargs, name)
     with stages("enumerate_s", f"enumerating strategies on mesh {mesh_spec}"):
-        table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback)
+        table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs)
     with stages("costgraph_s", "building the cost graph"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"

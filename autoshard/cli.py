@@ -94,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
                   optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
                   merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
                   time_limit=args.time_limit, gap_rel=args.gap, progress=True, name=args.model,
-                  check_batch=not args.allow_indivisible_batch)
+                  check_batch=not args.allow_indivisible_batch, outputs=args.outputs)
     result.timings["capture_s"] = capture_s      # captured above (folded), before plan() ran
     _print_plan(result, full=args.full, plain=args.plain)
     if args.out:
@@ -127,6 +127,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .enumerate import OUTPUT_MODES
+
     p = argparse.ArgumentParser(prog="autoshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -171,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
     pl.add_argument("--fallback", choices=["error", "replicate"], default="error")
+    pl.add_argument("--outputs", choices=list(OUTPUT_MODES), default="global",
+                    help="how the parallelized model returns its outputs: global (whole on every rank) or "
+                         "local (tensors of rank >= 1 as each rank's shard, no collective; 0-dim ones global)")
     explain_args(pl)
     pl.add_argument("--allow-indivisible-batch", action="store_true",
                     help="plan even if the mesh size does not divide the batch (e.g. pure tensor parallelism)")

@@ -14,6 +14,11 @@ from .opinfo import OpInfo, op_name
 from .specs import ShardSpec, all_specs
 from .strategy import MemoryCost, Strategy, expand
 
+OUTPUT_MODES = ("global", "local")
+"""How a parallelized model returns its graph outputs (``outputs=`` of :func:`autoshard.plan`):
+``"global"``, every tensor output whole on every rank; ``"local"``, a tensor output of rank >= 1
+as this rank's shard in the layout its producer computes it in (0-dim outputs stay global)."""
+
 
 class UnsupportedOpError(NotImplementedError):
     """A graph node whose op has no handler."""
@@ -56,6 +61,7 @@ class StrategyTable:
     nodes: dict[str, NodeStrategies]
     seconds: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
+    outputs: str = "global"      # one of OUTPUT_MODES
 
     def __getitem__(self, node_name: str) -> NodeStrategies:
         return self.nodes[node_name]
@@ -88,24 +94,38 @@ def _placeholder_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec)
     return out
 
 
-def _output_strategies(graph: CapturedGraph, node: fx.Node) -> tuple[list[Strategy], list[str]]:
-    """The graph output returns global tensors: every tensor output is consumed replicated."""
+def _output_strategies(graph: CapturedGraph, node: fx.Node, outputs: str = "global"
+                       ) -> tuple[list[Strategy], list[str]]:
+    """The graph output's one strategy. ``outputs="global"``: every tensor output is consumed
+    replicated. ``"local"``: a tensor output of rank >= 1 is consumed as produced (input spec
+    None: no resharding, the caller gets the producer's local shard); 0-dim outputs replicated."""
+    check_outputs(outputs)
     operands = [n for n in node.all_input_nodes
                 if graph.tensor_meta(n) is not None and not isinstance(graph.tensor_meta(n), tuple)]
-    specs = tuple(ShardSpec.replicate(len(graph.tensor_meta(n).shape)) for n in operands)  # type: ignore[union-attr]
-    return [Strategy("return replicated", specs, (), 0.0, 0.0, (), MemoryCost())], [n.name for n in operands]
+    ranks = [len(graph.tensor_meta(n).shape) for n in operands]  # type: ignore[union-attr]
+    specs = tuple(None if outputs == "local" and r else ShardSpec.replicate(r) for r in ranks)
+    name = "return replicated" if all(s is not None for s in specs) else "return local"
+    return [Strategy(name, specs, (), 0.0, 0.0, (), MemoryCost())], [n.name for n in operands]
+
+
+def check_outputs(outputs: str) -> None:
+    """ValueError naming the accepted values unless ``outputs`` is one of :data:`OUTPUT_MODES`."""
+    if outputs not in OUTPUT_MODES:
+        raise ValueError(f"outputs must be one of {', '.join(repr(m) for m in OUTPUT_MODES)}, got {outputs!r}")
 
 
 def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: HardwareProfile,
-                    *, fallback: str = "error", cache: dict | None = None) -> NodeStrategies:
-    """Strategies of one node; raises UnsupportedOpError for an op with no handler."""
+                    *, fallback: str = "error", cache: dict | None = None,
+                    outputs: str = "global") -> NodeStrategies:
+    """Strategies of one node; raises UnsupportedOpError for an op with no handler. ``outputs``
+    (see :data:`OUTPUT_MODES`) says how the graph's output node consumes its tensors."""
     from .handlers import handler_for
 
     path = graph.module_path(node)
     if node.op in ("placeholder", "get_attr"):   # get_attr: e.g. the body of a higher-order op
         return NodeStrategies(node.name, node.op, path, _placeholder_strategies(graph, node, mesh), [])
     if node.op == "output":
-        strategies, operands = _output_strategies(graph, node)
+        strategies, operands = _output_strategies(graph, node, outputs)
         return NodeStrategies(node.name, "output", path, strategies, operands)
     handler = handler_for(node.target)
     is_fallback = False
@@ -136,14 +156,17 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
 
 def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,
                          mesh_shape: Any = (2, 2), hardware: Any = "h100-nvlink",
-                         fallback: str = "error") -> StrategyTable:
+                         fallback: str = "error", outputs: str = "global") -> StrategyTable:
     """Every sharding strategy of every node of a model (captured here) or of a CapturedGraph.
 
     ``fallback="replicate"`` runs nodes whose op has no handler replicated and lists them in
-    ``table.fallbacks``; the default raises :class:`UnsupportedOpError`.
+    ``table.fallbacks``; the default raises :class:`UnsupportedOpError`. ``outputs``: ``"global"``
+    (the graph output consumes every tensor replicated) or ``"local"`` (tensors of rank >= 1 as
+    produced; see :data:`OUTPUT_MODES`).
     """
     if fallback not in ("error", "replicate"):
         raise ValueError(f"fallback must be 'error' or 'replicate', got {fallback!r}")
+    check_outputs(outputs)
     graph = model_or_graph if isinstance(model_or_graph, CapturedGraph) else capture(model_or_graph, args, kwargs)
     mesh = MeshSpec.of(mesh_shape)
     hw = load_hardware(hardware)
@@ -152,8 +175,8 @@ def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict 
     nodes: dict[str, NodeStrategies] = {}
     fallbacks = []
     for node in graph.graph.nodes:
-        ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache)
+        ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache, outputs=outputs)
         nodes[node.name] = ns
         if ns.fallback:
             fallbacks.append(f"{ns.op} at node '{node.name}' (module '{ns.module_path or '<root>'}')")
-    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks)
+    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks, outputs)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
+from .enumerate import OUTPUT_MODES
 from .hardware import HardwareError, HardwareProfile
 from .reshard import SPLIT, TO_PARTIAL, ReshardStep, reshard_plan
 from .specs import ShardSpec, SpecError
@@ -215,7 +216,11 @@ class Plan:
     (modeled seconds per step: compute, comm, reshard, recompute, offload, total); ``comm``
     (predicted bytes per device per step by collective kind, mesh axes and phase ``fwd`` /
     ``bwd`` / ``recompute``); ``solver``; ``timings`` (seconds per planning stage);
-    ``fallbacks`` (ops replicated without a handler); ``created`` (UTC, ISO 8601).
+    ``fallbacks`` (ops replicated without a handler); ``created`` (UTC, ISO 8601); ``outputs``
+    (``"global"``: the parallelized model returns every tensor output whole on every rank;
+    ``"local"``: a tensor output of rank >= 1 as each rank's shard, in the layout the output node's
+    ``inputs`` record, with no collective to gather it; plans written before the field existed
+    read as ``"global"``).
     """
 
     format_version: int
@@ -238,6 +243,7 @@ class Plan:
     created: str
     inputs: dict[str, Any] | None = None
     recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
+    outputs: str = "global"
 
     # ``inputs``: the call signature the graph was captured with (``in_spec``: the pytree spec of
     # ``(args, kwargs)`` as ``treespec_dumps`` writes it; ``leaves``: per leaf ``{"shape", "dtype"}``
@@ -258,7 +264,7 @@ class Plan:
         from . import __version__
 
         choice = cg.graph_choice(solution.choice)
-        nodes = {ns.node: _node_plan(cg, ns.node, _strategy(cg, ns.node, choice)) for ns in cg.table}
+        nodes = {ns.node: _node_plan(cg, ns.node, _strategy(cg, ns.node, choice), choice) for ns in cg.table}
         reshards = _reshards(cg, choice)
         decisions = {seg: str(d) for seg, d in solution.decisions.items()}
         runs = _selective_runs(cg, decisions)
@@ -289,6 +295,7 @@ class Plan:
             fallbacks=list(cg.table.fallbacks),
             inputs=input_signature(cg.graph),
             recompute_runs=runs,
+            outputs=cg.table.outputs,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
 
@@ -357,6 +364,9 @@ class Plan:
         """Cross-field checks the type check cannot do (specs parse, profile loads, mesh is 2D)."""
         if len(self.mesh_shape) != 2 or any(s < 1 for s in self.mesh_shape):
             raise PlanError(f"{source}: 'mesh_shape' must be two positive ints, got {self.mesh_shape}. {_REPLAN}.")
+        if self.outputs not in OUTPUT_MODES:
+            raise PlanError(f"{source}: 'outputs' must be one of {', '.join(repr(m) for m in OUTPUT_MODES)}, "
+                            f"got {self.outputs!r}. {_REPLAN}.")
         try:
             HardwareProfile.from_dict(self.hardware)
         except (HardwareError, TypeError, ValueError) as e:
@@ -470,16 +480,19 @@ def _strategy(cg: "CostGraph", name: str, choice: dict[str, int]) -> Strategy:
     return cg.table[name].strategies[choice[name]]
 
 
-def _node_plan(cg: "CostGraph", name: str, s: Strategy) -> NodePlan:
+def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) -> NodePlan:
     graph = cg.graph
     ns = cg.table[name]
     kind = graph.node(name).op
     stores = kind == "placeholder"
     m = s.memory
+    # An operand taken as produced (input spec None) is recorded in its producer's layout.
+    inputs = [x if x is not None else _strategy(cg, producer, choice).output_specs[_output_index(cg, name, j)]
+              for j, (x, producer) in enumerate(zip(s.input_specs, ns.operand_nodes))]
     return NodePlan(
         name=name, kind=kind, op=ns.op, module=ns.module_path, fqn=_fqn(graph, name),
         segment=cg.nodes[cg.node_of[name]].segment, strategy=s.name,
-        inputs=[str(x) for x in s.input_specs],
+        inputs=[str(x) for x in inputs],
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
         collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
@@ -515,12 +528,13 @@ def _tensor_edges(cg: "CostGraph") -> Iterable[tuple[str, str, int, int, Any, bo
             yield producer, follower, 0, out_idx, meta, grad
 
 
-def _output_index(cg: "CostGraph", consumer: str) -> int:
-    """Which output of its (single) producer a merged follower reads (getitem of a tuple)."""
+def _output_index(cg: "CostGraph", consumer: str, operand: int = 0) -> int:
+    """Which output of its producer operand ``operand`` of ``consumer`` reads (a getitem of a
+    tuple reads element ``args[1]``, anything else output 0)."""
     import operator
 
     node = cg.graph.node(consumer)
-    producer = cg.table[consumer].operand_nodes[0]
+    producer = cg.table[consumer].operand_nodes[operand]
     if node.target is operator.getitem and isinstance(cg.graph.tensor_meta(producer), tuple):
         return int(node.args[1])
     return 0
@@ -833,6 +847,9 @@ def _peak_formula(mem: dict[str, float]) -> str:
         f"largest working set, {format_bytes(mem['working_set'])}, is rebuilt)"
 
 
+_OUTPUTS_TEXT = {"global": "global", "local": "local (tensors of rank >= 1 as each rank's shard)"}
+
+
 def _summary_lines(plan: Plan) -> list[str]:
     budget = "unconstrained" if plan.memory_budget is None else f"{format_bytes(plan.memory_budget)} per device"
     devices = math.prod(plan.mesh_shape)
@@ -841,7 +858,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         f"autoshard plan for {plan.model_name} (graph fingerprint {plan.fingerprint[:16]}, "
         f"{len(plan.nodes)} nodes)",
         f"mesh {plan.mesh} ({devices} devices), hardware {plan.hardware.get('name', '?')}, "
-        f"memory budget {budget}",
+        f"memory budget {budget}, outputs returned {_OUTPUTS_TEXT[plan.outputs]}",
         "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = " + _peak_formula(mem),
         "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(
             f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),

@@ -21,10 +21,12 @@ Cost model (all seconds per training step, memory bytes per device):
   all-reduce of a partial output, or of a partial input gradient) and, for merged nodes, the
   resharding between its members;
 - an edge costs, forward, the cheapest resharding of the tensor from the producer's output spec
-  to the consumer's input spec. Backward, when the tensor requires grad and gradient flows
-  through the consumer, the consumer delivers the gradient of its input in its *input* spec
-  (strategies already include the all-reduce that resolves a partial gradient), and it is
-  resharded back to the producer's *output* spec: ``reshard_cost(dst -> src)``.
+  to the consumer's input spec (an operand its consumer takes as produced, input spec None, is
+  no edge: the graph output's tensors of rank >= 1 when the plan returns them local). Backward,
+  when the tensor requires grad and gradient flows through the consumer, the consumer delivers
+  the gradient of its input in its *input* spec (strategies already include the all-reduce that
+  resolves a partial gradient), and it is resharded back to the producer's *output* spec:
+  ``reshard_cost(dst -> src)``.
 
 :meth:`CostGraph.evaluate` is the reference for one full assignment; the ILP must reproduce it.
 It does with this formulation: per variable group ``g`` one-hot ``x[g][c]``, costing
@@ -691,13 +693,19 @@ class _Builder:
     # -- edges -----------------------------------------------------------------------------------
 
     def edges(self) -> list[CGEdge]:
-        """One CGEdge per (producer, consumer, operand) carrying a tensor between two CGNodes."""
+        """One CGEdge per (producer, consumer, operand) carrying a tensor between two CGNodes.
+
+        An operand that every strategy of its consumer takes as produced (input spec None: the
+        graph output of a plan with ``outputs="local"``) is no edge: it is never resharded and
+        costs nothing."""
         out: list[CGEdge] = []
         for ns in self.table:
             dst = self.nodes[self.node_of[ns.node]]
             for j, producer in enumerate(ns.operand_nodes):
                 src = self.nodes[self.node_of[producer]]
                 if src is dst:          # a follower's merge edge: priced inside the node
+                    continue
+                if ns.strategies and all(s.input_specs[j] is None for s in ns.strategies):
                     continue
                 out_idx = self._src_output(ns.node, j)
                 meta = self._tensor(producer, out_idx)
