@@ -40,7 +40,7 @@ def get_plan(args, model, example: dict) -> Plan:
             plan = Plan.load(args.plan)
         else:
             plan = autoshard.plan(model, kwargs=example, mesh=args.mesh, hardware=args.hardware,
-                                  memory_budget=args.budget, baseline=args.baseline)
+                                  memory_budget=args.budget, baseline=args.baseline, outputs=args.outputs)
         print("\n".join(plan.summary_lines()), flush=True)
         box = [plan.to_dict()]
     dist.broadcast_object_list(box, 0)
@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--hardware", default="h100-nvlink", help="hardware profile to plan for")
     p.add_argument("--budget", default=None, help="per-device memory budget, e.g. 1MiB")
     p.add_argument("--baseline", default=None, choices=["data_parallel", "megatron", "zero3"])
+    p.add_argument("--outputs", default="global", choices=["global", "local"],
+                   help="local: each rank keeps its shard of the logits (the loop only reads .loss), no gather")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--steps", type=int, default=30)

@@ -14,7 +14,9 @@ under the plan's strategy. Around it the generated code inserts, by name:
 - ``shard_input(x, comm, dims)`` on a user input given as the global batch.
 
 The graph's placeholders are the original ones (parameters, buffers, user inputs, in order), fed
-with local tensors; the outputs are the original outputs, replicated (global).
+with local tensors; the outputs are the original outputs, replicated (global), or, for a plan with
+``outputs="local"``, those of rank >= 1 as this rank's shard in the layout the plan's output node
+records (its producer's: nothing is gathered).
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class LocalProgram:
     module: fx.GraphModule
     placeholders: list[PlaceholderInfo]
     bucketed_grads: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param placeholder -> axes
+    output_specs: list[ShardSpec | None] = field(default_factory=list)   # per flat output: its layout
 
 
 class LoweringError(PlanError):
@@ -95,6 +98,7 @@ class _Lowering:
         self.regions: dict[str, int] = {}      # memory region (segment or selective run) -> region id
         self.region_of = plan.memory_regions()  # graph node -> (region, decision), not-kept nodes only
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
+        self.output_specs: list[ShardSpec | None] = []
 
     # -- driver ----------------------------------------------------------------------------------
 
@@ -118,7 +122,7 @@ class _Lowering:
         gm.comm = self.comm          # also where no collective reads it (partitioned checkpoints do)
         if self.regions:
             gm = apply_memory_annotations(gm)
-        return LocalProgram(gm, placeholders, dict(self.bucketed))
+        return LocalProgram(gm, placeholders, dict(self.bucketed), self.output_specs)
 
     # -- memory decisions ------------------------------------------------------------------------
 
@@ -251,12 +255,23 @@ class _Lowering:
             value = value[0] if isinstance(value, list) else value
             if entry is not None:
                 value = self._reshard(value, entry)
-            elif not specs[j].is_replicated():
+            elif not specs[j].is_replicated() and not self._local_output(operand, specs[j]):
                 raise LoweringError(f"output '{operand.name}' is not replicated and the plan has no resharding "
                                     f"for it; the plan is inconsistent")
             values[operand] = value
+        layout = dict(zip(tensor_ops, specs))
         args = pytree.tree_map(lambda x: values.get(x, x) if isinstance(x, fx.Node) else x, node.args)
+        flat = node.args[0] if len(node.args) == 1 else node.args
+        self.output_specs = [layout.get(x) if isinstance(x, fx.Node) else None
+                             for x in (flat if isinstance(flat, (tuple, list)) else [flat])]
         self.out.output(args[0] if len(args) == 1 else args)
+
+    def _local_output(self, operand: fx.Node, spec: ShardSpec) -> bool:
+        """A plan with ``outputs="local"`` returns ``operand`` as this rank's shard: the plan's
+        layout for it must be the one its producer computes it in, and not a pending sum."""
+        produced = self.spec_of[operand.name]
+        produced = produced[0] if isinstance(produced, list) else produced
+        return self.plan.outputs == "local" and not spec.partial and spec == produced
 
     # -- helpers ---------------------------------------------------------------------------------
 

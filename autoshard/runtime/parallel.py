@@ -51,6 +51,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     ``bucket_bytes``: size of the gradient all-reduce buckets. ``graph``: the graph the plan was
     made from, captured on meta (skips capturing again; its fingerprint is still checked).
     Collective: every rank of the mesh must call it.
+
+    Outputs come back as the plan was made for (``autoshard.plan(..., outputs=)``, recorded in
+    ``plan.outputs``): ``"global"``, every output whole on every rank, as the model returns it;
+    ``"local"``, every tensor output of rank >= 1 as this rank's shard, with no collective run to
+    gather it (0-dim outputs such as a loss are whole). The layout of the i-th output (in
+    ``torch.utils._pytree.tree_flatten`` order of what the model returns) is
+    ``pmodel.output_specs[i]``: a dim sharded over mesh axis ``a`` of size ``n_a`` is cut into
+    ``n_a`` equal consecutive blocks and this rank holds block ``pmodel.comm.coord[a]``; a dim
+    sharded over both axes (``S01``) into ``n_0 * n_1`` blocks, of which it holds block
+    ``coord[0] * n_1 + coord[1]`` (its rank on the row-major mesh); a replicated dim is whole.
+    ``pmodel.comm.shard_input(t, spec.dims)`` cuts a global tensor ``t`` the same way (e.g. the
+    labels matching local logits). A data-parallel plan on 2x2 returns a language model's logits
+    ``[batch, seq, vocab]`` as ``[batch/4, seq, vocab]``: rows ``rank*batch/4`` to
+    ``(rank+1)*batch/4 - 1``, the rows of the batch this rank computed (what DDP returns).
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
                           checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph)
@@ -61,7 +75,9 @@ class ParallelModule(nn.Module):
 
     Attributes: ``plan``, ``device_mesh``, ``comm`` (this rank's collectives, with ``comm.counter``
     recording every collective), ``program`` (the generated ``fx.GraphModule``), ``code`` (its
-    Python source), ``graph`` (the captured graph the plan was applied to).
+    Python source), ``graph`` (the captured graph the plan was applied to), ``output_specs`` (the
+    layout of each flat output as returned: replicated, or this rank's shard; see
+    :func:`parallelize`).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
@@ -86,6 +102,7 @@ class ParallelModule(nn.Module):
         program = lower(graph, plan, self.comm, self.device, input_mode=input_mode)
         object.__setattr__(self, "program", program.module)   # not a submodule: it holds no state
         self._placeholders = program.placeholders
+        self.output_specs: list[ShardSpec | None] = program.output_specs
         self._in_spec = graph.exported.call_spec.in_spec
         self._out_spec = graph.exported.call_spec.out_spec
         self._user_inputs = [s.arg.name for s in graph.exported.graph_signature.input_specs
@@ -323,7 +340,7 @@ def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, 
 
 
 _DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
-                    "segments", "reshards", "inputs")
+                    "segments", "reshards", "inputs", "outputs")
 
 
 def _plan_digest(plan: Plan) -> str:
