@@ -205,9 +205,11 @@ def test_followers_merge_into_call_functions_of_their_segment(name):
 @pytest.mark.parametrize("name", LLMS)
 def test_merged_follower_choice_is_the_cheapest(name):
     """The heuristic's contract: per producer strategy, the follower strategy minimising
-    resharding (fwd + bwd) plus its own time."""
+    resharding (fwd + bwd) plus its own time, up to one collective step's latency (the slack
+    within which the producer's layout is preferred, see costgraph._tie_break)."""
     cg = graph_of(name, merge=True, alias=False)
     mesh, hw = cg.table.mesh.shape, cg.table.hardware
+    slack = _merge_slack(cg)
     for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
         shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
 
@@ -216,7 +218,12 @@ def test_merged_follower_choice_is_the_cheapest(name):
             back = reshard_cost(d, spec, shape, item, mesh, hw) if edge.grad else 0.0
             return reshard_cost(spec, d, shape, item, mesh, hw) + back + f.total_time
         best = min(cost(f) for f in cg.table[m].strategies)
-        assert cost(node.member_strategy(m, c)) == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert best - 1e-15 <= cost(node.member_strategy(m, c)) <= best + slack + 1e-15
+
+
+def _merge_slack(cg) -> float:
+    mesh, hw = cg.table.mesh.shape, cg.table.hardware
+    return min(hw.axes[a].alpha for a in range(len(mesh)) if mesh[a] > 1)
 
 
 def _merged_followers(cg, unmerged):
@@ -232,11 +239,13 @@ def _merged_followers(cg, unmerged):
 
 @pytest.mark.parametrize("name", LLMS)
 def test_merged_follower_ties_keep_the_producers_layout(name):
-    """Among equally cheap follower strategies the merge takes the one that needs no resharding,
-    else the fewest resharding steps, then the fewest sharded axes (not the first index): a free
-    local split ties with no resharding, but consumers wanting the producer's layout then gather."""
+    """Among follower strategies as cheap as the cheapest up to one collective step's latency, the
+    merge takes the one that needs no resharding, else the fewest resharding steps, then the fewest
+    sharded axes (not the first index): a free local split ties with no resharding, but consumers
+    wanting the producer's layout then gather."""
     cg = graph_of(name, merge=True, alias=False)
     mesh, hw = cg.table.mesh.shape, cg.table.hardware
+    slack = _merge_slack(cg)
     checked = 0
     for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
         shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
@@ -251,7 +260,7 @@ def test_merged_follower_ties_keep_the_producers_layout(name):
             return cost, d != spec, steps, len(d.used_axes())
         keys = [key(f) for f in cg.table[m].strategies]
         best = min(k[0] for k in keys)
-        tied = [k[1:] for k in keys if k[0] <= best + max(best * 1e-9, 1e-15)]
+        tied = [k[1:] for k in keys if k[0] <= best + max(best * 1e-9, 1e-15, slack)]
         chosen = key(node.member_strategy(m, c))
         assert chosen[1:] == min(tied), (node.name, m, c, str(spec))
         checked += len(tied) > 1

@@ -594,6 +594,9 @@ class _Builder:
         self._distinct_cache: dict[tuple, tuple[tuple[int, ...], np.ndarray]] = {}
         self._list_keys: dict[int, tuple[int, list]] = {}
         self._list_ids: dict[tuple, int] = {}
+        mesh_shape, hw = table.mesh.shape, table.hardware
+        live = [hw.axes[a].alpha for a in range(len(mesh_shape)) if mesh_shape[a] > 1]
+        self._merge_slack = min(live, default=0.0)    # one collective step's latency (see _tie_break)
 
     # -- nodes -----------------------------------------------------------------------------------
 
@@ -677,7 +680,7 @@ class _Builder:
             if s not in best:
                 fwd = rs.dist[s, f_in]
                 bwd = rs.dist[f_in, s] if grad else np.zeros(len(f_in))
-                j = _tie_break(rs, s, f_in, fwd + bwd + f_time, grad)
+                j = _tie_break(rs, s, f_in, fwd + bwd + f_time, grad, self._merge_slack)
                 best[s] = (j, float(fwd[j]), float(bwd[j]))
             chosen[c], moved[0, c], moved[1, c] = best[s]
         label = f"reshard into member {len(host.members)}"
@@ -844,11 +847,17 @@ def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: st
                  for step in rt.plan(src, dst).steps if step.collective is not None)
 
 
-def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad: bool) -> int:
+def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad: bool,
+               slack: float = 0.0) -> int:
     """Index of the follower strategy to merge: least ``total`` cost; among (near-)ties, the
     one whose input state is ``src`` (the producer's output, nothing to reshard), then fewest
     resharding steps (fwd, plus bwd when the gradient flows), then fewest sharded or partial mesh
     axes in its input spec, then the first index.
+
+    Costs within ``slack`` seconds of the least tie: a follower that changes layout to save less
+    than one collective's latency cannot pay for the collective that any consumer wanting the
+    producer's layout would then need (a mask built from free splits, then gathered back), and
+    the choice is made here, before the ILP sees the consumers.
 
     Free resharding steps (a local split) tie with none, but the first index is an arbitrary
     strategy order: picking a split there makes every consumer that wants the producer's layout
@@ -856,7 +865,7 @@ def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad
     all-gathered again in every layer).
     """
     best = float(total.min())
-    tied = np.flatnonzero(total <= best + max(abs(best) * 1e-9, 1e-15))
+    tied = np.flatnonzero(total <= best + max(abs(best) * 1e-9, 1e-15, slack))
     if len(tied) == 1:
         return int(tied[0])
     states = rs.table.states
