@@ -87,11 +87,11 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
     with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"):
-        if baseline is None:
-            solution = solve(cg, options)
-        else:
-            from .solver.baselines import solve_baseline
+        from .solver.baselines import best_by_step_model, solve_baseline
 
+        if baseline is None:
+            solution = best_by_step_model(cg, solve(cg, options), options)
+        else:
             solution = solve_baseline(cg, baseline, options).solution
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
     timings.pop("solve_wall_s")

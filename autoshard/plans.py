@@ -194,6 +194,7 @@ class SolverReport:
     n_constraints: int
     solver: str
     gap: float | None = None      # relative distance to the solver's proven bound (None: not reported)
+    note: str | None = None       # e.g. a baseline family's plan taken over the ILP's (see best_by_step_model)
 
 
 # -- the plan ------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ class Plan:
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
                                 int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
-                                solution.gap),
+                                solution.gap, solution.stats.get("note")),
             timings={k: float(v) for k, v in (timings or {}).items()},
             fallbacks=list(cg.table.fallbacks),
             inputs=input_signature(cg.graph),
@@ -869,6 +870,8 @@ def _summary_lines(plan: Plan) -> list[str]:
         + f", objective {_fmt_time(s.objective)}, build {s.build_seconds:.2f} s + "
         f"solve {s.solve_seconds:.2f} s, {s.n_variables} variables, {s.n_constraints} constraints",
     ]
+    if s.note:
+        lines.append(f"plan picked: {s.note}")
     if plan.timings:
         lines.append("planning time: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f} s" for k, v in plan.timings.items()))

@@ -65,6 +65,7 @@ from _common import RESULTS, write  # noqa: E402
 from runtime_speed import Config, run_rounds, summary  # noqa: E402
 
 MESH = (2, 2)
+OUTPUTS = "local"     # autoshard returns each rank's shard of the logits, as DDP does (plan(outputs=...))
 WORLD = MESH[0] * MESH[1]
 BATCH, SEQ = 8, 128
 IMAGE = 64                    # CNN input side
@@ -194,6 +195,8 @@ def _decision_counts(segments: dict[str, str]) -> str:
 def _table_index(table, node) -> int:
     """Index in ``table`` of the strategy a plan's node runs (matched by name and specs)."""
     strategies = table[node.name].strategies
+    if len(strategies) == 1:       # e.g. the graph output, whose plan entry records the producers' layouts
+        return 0
     for i, s in enumerate(strategies):
         if (s.name == node.strategy and [str(x) for x in s.input_specs] == list(node.inputs)
                 and [None if x is None else str(x) for x in s.output_specs] == list(node.outputs)):
@@ -214,7 +217,7 @@ class Repricer:
         from autoshard.solver import build_cost_graph
 
         self.options = options
-        self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw)
+        self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw, outputs=OUTPUTS)
         self.cg = build_cost_graph(self.table)
         self._unmerged = None
 
@@ -245,7 +248,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     hw = autoshard.load_hardware(hw_path)
     options = SolverOptions(memory_budget=int(hw.memory_per_device))    # what autoshard.plan uses by default
     plans: list[dict] = []
-    common = dict(mesh=MESH, hardware=hw_path, name=key)
+    common = dict(mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS)
 
     def plain(**kw):
         return lambda: (autoshard.plan(graph, **common, **kw), None, {})
@@ -274,7 +277,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
 
     for prof in OTHER_PROFILES:
         def other(prof=prof):
-            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key)
+            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key, outputs=OUTPUTS)
             sol, how = repricer.price(p)
             return p, sol.time.total, {"solved_under": prof, "modeled_own_profile_s": p.time["total"],
                                        "repriced_on": f"{how} cost graph", "_breakdown": sol.time.to_dict(),
@@ -726,7 +729,9 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                     "autoshard with the global batch's, so their step-0 losses differ from autoshard's by design.")
     quick = " QUICK SMOKE RUN (--quick): one model, one round; not a measurement." if args.quick else ""
     note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1. Step = forward + backward "
-            f"+ AdamW step, fp32, dropout 0; LMs batch {BATCH} x seq {SEQ}, 4 layers, vocab {VOCAB}; CNN batch {BATCH}, "
+            f"+ AdamW step, fp32, dropout 0; autoshard plans made with outputs={OUTPUTS!r} (each rank keeps its "
+            f"shard of the logits, as DDP does; the loss is global); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
+            f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
             f"{args.rounds} interleaved round(s) x {args.steps} step(s) after {args.warmup} warm-up step(s) + step 0. "
             f"Spearman and errors over the autoshard plans that ran (modeled under the measured profile); "
@@ -737,7 +742,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
             f"Whole run {wall_s / 60:.1f} min.{cnn_note}{quick}")
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
                               "models": {k: MODELS[k] for k in args.models.split(",")}, "rounds": args.rounds,
-                              "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+                              "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fraction": PERTURB_FRACTION, "min": PERTURB_MIN, "seed": PERTURB_SEED},
                               "targets": TARGETS,

@@ -36,7 +36,7 @@ def fixed_solution(cg: CostGraph, strategy_of: Mapping[str, int], options: Solve
 
 def _replicated_index(strategies) -> int:
     for i, s in enumerate(strategies):
-        specs = [*s.input_specs, *(x for x in s.output_specs if x is not None)]
+        specs = [x for x in (*s.input_specs, *s.output_specs) if x is not None]   # None: taken as produced
         if all(x.is_replicated() for x in specs):
             return i
     raise ValueError(f"no all-replicated strategy among {[s.name for s in strategies]}")
