@@ -199,16 +199,24 @@ def _flag(d: Mapping, key: str, default: bool) -> bool:
 
 
 # -- validation of the measured fields --------------------------------------------------------------
-def _world(d: Mapping) -> LinkModel | None:
-    """The measured all-device link, ``world: {alpha: s, beta: s/byte}``, or None."""
-    value = d.get("world")
+def _section(d: Mapping, key: str, units: Mapping[str, str]) -> Mapping | None:
+    """The optional mapping ``d[key]`` with exactly the keys of ``units`` (key -> unit), or None."""
+    value = d.get(key)
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: world must be a mapping with "
-                            f"alpha (seconds) and beta (seconds per byte), got {value!r}")
-    return LinkModel(_number(d, "world.alpha", value.get("alpha"), "seconds", zero=True),
-                     _number(d, "world.beta", value.get("beta"), "seconds per byte"))
+    if not isinstance(value, Mapping) or set(value) != set(units):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {key} must have exactly the keys "
+                            + " and ".join(f"{k} ({u})" for k, u in units.items()))
+    return value
+
+
+def _world(d: Mapping) -> LinkModel | None:
+    """The measured all-device link, ``world: {alpha: s, beta: s/byte}``, or None."""
+    value = _section(d, "world", {"alpha": "seconds", "beta": "seconds per byte"})
+    if value is None:
+        return None
+    return LinkModel(_number(d, "world.alpha", value["alpha"], "seconds", zero=True),
+                     _number(d, "world.beta", value["beta"], "seconds per byte"))
 
 
 def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, high: float = math.inf,
@@ -272,12 +280,9 @@ def _compute(d: Mapping) -> dict[str, dict[str, ComputeCurve]]:
 
 
 def _optimizer(d: Mapping) -> OptimizerModel | None:
-    opt = d.get("optimizer")
+    opt = _section(d, "optimizer", {"per_tensor": "seconds per tensor", "per_byte": "seconds per byte"})
     if opt is None:
         return None
-    if not isinstance(opt, Mapping) or set(opt) != {"per_tensor", "per_byte"}:
-        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: optimizer must have exactly the keys "
-                            f"per_tensor (seconds per tensor) and per_byte (seconds per byte)")
     # a least-squares fit may put one coefficient at zero, so zero is allowed (not both)
     model = OptimizerModel(_number(d, "optimizer.per_tensor", opt["per_tensor"], "seconds per tensor", zero=True),
                            _number(d, "optimizer.per_byte", opt["per_byte"], "seconds per byte", zero=True))

@@ -7,7 +7,7 @@ bandwidth slow each other down, and the profile must say so). One timing helper,
 runs is kept, and then the maximum over ranks (the slowest rank sets the pace of a step).
 
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
-  sizes (all groups of an axis at once, issued back to back as a step issues them, see
+  sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
   :func:`_time_all_reduce`) and fits the ring model of :mod:`autoshard.comm`,
   ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on relative error (so the small
   messages that pin down alpha weigh as much as the large ones that pin down beta).
@@ -199,21 +199,35 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
     return statistics.median(times)
 
 
-_ISSUED_RUN_S = 0.03
-"""Seconds of back-to-back all-reduces per timed run (see :func:`_time_all_reduce`)."""
+_ISSUED_RUN_S = 0.05
+"""Seconds per timed run of the loops of :func:`_time_all_reduce`."""
 
 
 def _time_all_reduce(group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
                      iters: int, warmup: int) -> list[float]:
-    """Seconds per all-reduce, issued back to back as a training step issues its collectives: no
-    barrier between two of them, so each pays for waking the ranks that wait in it. Where ranks
-    share CPU cores that costs milliseconds that a lone barrier-synchronised all-reduce does not
-    show (gloo, 4 ranks on 2 cores: ~7 ms against ~0.5 ms)."""
+    """Seconds an all-reduce adds to a step, issued as a step issues its collectives: a loop of a
+    slice of compute and one all-reduce, less the same loop without the all-reduce. Every rank
+    computes between collectives, so each collective pays for waking the ranks that wait in it while
+    the others compute: where ranks share CPU cores that costs milliseconds that a lone
+    barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms)."""
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device)
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    alone = _median_time(compute, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
     out = []
     for size in sizes:
         buf = torch.ones(size // 4, dtype=torch.float32, device=device)
-        out.append(_median_time(lambda: dist.all_reduce(buf, group=group), device, iters, max(warmup, 1), group,
-                                run_s=_ISSUED_RUN_S))
+
+        def step() -> None:
+            compute()
+            dist.all_reduce(buf, group=group)
+
+        with_comm = _median_time(step, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
+        out.append(max(with_comm - alone, 0.05 * with_comm))      # noise must not make it vanish
     return out
 
 
@@ -586,8 +600,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"{world} ranks on {cores} CPU cores ({torch.get_num_threads()} torch threads per rank), "
         f"torch {torch.__version__}.",
         f"Axes: all-reduce of {format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, median of {iters} "
-        f"runs of all-reduces issued back to back for {_ISSUED_RUN_S * 1e3:.0f} ms (as a step issues them), "
-        f"max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
+        f"runs of {_ISSUED_RUN_S * 1e3:.0f} ms of (compute slice, all-reduce) less the compute alone (as a "
+        f"step issues them), max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
         f"least squares on relative error.",
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",

@@ -763,7 +763,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration per round")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration after step 0")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "

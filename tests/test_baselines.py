@@ -220,9 +220,9 @@ def test_baseline_predictions_match_evaluate(name, family):
 
 
 def _unbucketed(cg, sol) -> float:
-    """Seconds of the parameter-gradient all-reduces that run inline (see ilp._gradient_sync)."""
-    from autoshard.solver.ilp import _gradient_sync
-    return _gradient_sync(cg, sol.choice)[1]
+    """Seconds of the parameter-gradient all-reduces that run inline (see ilp.gradient_sync)."""
+    from autoshard.solver.ilp import gradient_sync
+    return gradient_sync(cg, sol.choice)[1]
 
 
 @pytest.mark.parametrize("family", list(BASELINES))

@@ -980,7 +980,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
-    synced, inline, backward_end = _gradient_sync(cg, choice)
+    synced, inline, backward_end = gradient_sync(cg, choice)
     t.comm += inline
     t.grad_sync = exposed_grad_sync(synced, backward_end, cg.mesh.shape, cg.hardware)[0]
     nonsegmented = mem.activations
@@ -1006,7 +1006,7 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
     parameter-gradient all-reduce priced there as if bucketed."""
     t, _ = predict(cg, choice, decisions, options)
-    inline = _gradient_sync(cg, choice)[1]
+    inline = gradient_sync(cg, choice)[1]
     unbucketed = sum(e.unbucketed[e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]]
                      for e in cg.edges if e.unbucketed is not None)
     return t.total - t.grad_sync - inline + _linear_grad_sync(cg, choice) + unbucketed
@@ -1026,7 +1026,7 @@ def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
     return max(total - overlap_fraction(hw) * backward_end, floor)
 
 
-def _gradient_sync(cg: CostGraph, choice: dict[str, int]) -> tuple[list[SyncedGradient], float, float]:
+def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> tuple[list[SyncedGradient], float, float]:
     """The parameter gradients the runtime syncs in buckets (as ``lower`` picks them: every use
     reads the stored layout and all-reduces over the same axes), in order of first use with the
     backward time at which each is complete; the seconds of the other parameter-gradient
