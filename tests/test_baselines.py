@@ -236,3 +236,23 @@ def test_solution_respects_the_restriction(family):
 def test_unknown_baseline_is_an_error():
     with pytest.raises(ValueError, match="unknown baseline"):
         restriction(graph("gpt2-tiny"), "pipeline")
+
+
+@pytest.mark.parametrize("hardware", ["cpu-gloo", "h100-nvlink"])
+def test_the_plan_picked_is_no_slower_than_any_baseline_under_the_step_model(hardware):
+    """autoshard.plan returns the ILP's plan or, where the exact step schedule (predict) models a
+    baseline family's best plan faster, that one, and says so in plan.solver.note."""
+    import autoshard
+
+    model, args, kwargs = build_model("gpt2-tiny", batch=8, seq=128, n_positions=128, n_embd=128, vocab_size=2048)
+    graph = capture(model, args, kwargs)
+    plan = autoshard.plan(graph, mesh=MESH, hardware=hardware, outputs="local")
+    budget = plan.memory_budget
+    cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=MESH, hardware=hardware, outputs="local"))
+    ilp = solve(cg, SolverOptions(memory_budget=budget))
+    for family in BASELINES:
+        best = solve_baseline(cg, family, SolverOptions(memory_budget=budget)).solution
+        assert plan.time["total"] <= best.time.total * (1 + 1e-9), family
+    assert plan.time["total"] <= ilp.time.total * (1 + 1e-9)
+    if plan.time["total"] < ilp.time.total * (1 - 1e-9):
+        assert plan.solver.note and "replaces the ILP's plan" in plan.solver.note

@@ -450,7 +450,8 @@ def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOpti
 def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions = SolverOptions()) -> Solution:
     """``solution`` (the ILP's), or the best plan of a baseline family where :func:`~.ilp.predict`
     (the exact step schedule) models that one faster. The ILP prices some of the step linearly (gradient
-    sync as bucket rates, a parameter whose uses need different gradient reductions as if bucketed),
+    sync as bucket rates; a parameter that reaches an op resharded, or whose uses need different
+    gradient reductions, as if bucketed, where the runtime all-reduces it inline),
     so on models where plans differ by a few collectives the exact model arbitrates. A family that
     does not fit the budget is skipped. The replacement says why in ``stats["note"]``."""
     best, family = solution, None

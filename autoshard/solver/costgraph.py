@@ -58,8 +58,7 @@ from ..opinfo import op_name
 from ..reshard import ReshardTable, reshard_table
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, CommAction, MemoryCost, Strategy
-from ..comm import collective_cost
-from .steptime import SyncPricing, optimizer_seconds
+from .steptime import optimizer_seconds
 
 __all__ = [
     "CGEdge", "CGNode", "CostBreakdown", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
@@ -220,7 +219,6 @@ class CGEdge:
     bwd: np.ndarray
     nbytes_fwd: np.ndarray
     nbytes_bwd: np.ndarray
-    unbucketed: np.ndarray | None = None   # see _Builder._unbucketed (ILP only; predict schedules exactly)
 
     @property
     def cost(self) -> np.ndarray:
@@ -721,32 +719,11 @@ class _Builder:
                 dst_specs, dst_index = self._distinct(rs, dst, ns.node, "in", j)
                 grad = self._grad_flows(meta, ns.node)
                 fwd, bwd, nb_fwd, nb_bwd = self._edge_matrices(rs, src_specs, dst_specs, grad)
-                src_states = [rs.table.states[s] for s in src_specs]
-                dst_states = [rs.table.states[s] for s in dst_specs]
-                extra = (self._unbucketed(meta, src_states, dst_states)
-                         if grad and self.graph.is_param(self.fx[producer]) else None)
                 out.append(CGEdge(
                     src.name, dst.name, producer, ns.node, j, out_idx, meta, grad,
-                    src_states, dst_states, src_index, dst_index, fwd, bwd, nb_fwd, nb_bwd, extra))
+                    [rs.table.states[s] for s in src_specs], [rs.table.states[s] for s in dst_specs],
+                    src_index, dst_index, fwd, bwd, nb_fwd, nb_bwd))
         return out
-
-    def _unbucketed(self, meta: TensorMeta, src: list[ShardSpec], dst: list[ShardSpec]) -> np.ndarray:
-        """Seconds the ILP adds where a parameter reaches an op resharded (spec a != b): the runtime
-        then all-reduces that use's gradient inline, with its own latency, where the op's strategy
-        prices it at the bucket rate (``sync_bytes``). Taken as the all-reduce of the gradient in
-        layout b over every live mesh axis b does not shard (the most an op can need), less the
-        bucket rate of those bytes. The ILP's approximation; ``predict`` knows each use's axes."""
-        mesh_shape, hw = self.table.mesh.shape, self.table.hardware
-        out = np.zeros((len(src), len(dst)))
-        for k, b in enumerate(dst):
-            axes = tuple(x for x in range(len(mesh_shape)) if mesh_shape[x] > 1 and x not in b.used_axes())
-            if not axes:
-                continue
-            nbytes = b.local_numel(meta.shape, mesh_shape) * meta.dtype.itemsize
-            extra = (collective_cost("all_reduce", nbytes, axes, mesh_shape, hw)
-                     - nbytes * SyncPricing.of(axes, mesh_shape, hw).seconds_per_byte())
-            out[[a != b for a in src], k] = max(extra, 0.0)
-        return _readonly(out)
 
     def _distinct(self, rs: _Reshard, node: CGNode, member: str, side: str, k: int
                   ) -> tuple[tuple[int, ...], np.ndarray]:

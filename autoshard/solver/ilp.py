@@ -310,7 +310,7 @@ def _edge_time_terms(m: _Model) -> list:
     terms = []
     for eg in m.cg.edge_groups():
         e = eg.edge
-        cost = (e.fwd + (e.bwd if e.grad else 0.0) + (e.unbucketed if e.unbucketed is not None else 0.0)) * T
+        cost = (e.fwd + (e.bwd if e.grad else 0.0)) * T
         if not np.any(cost):
             continue
         src_marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
@@ -1007,9 +1007,7 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     parameter-gradient all-reduce priced there as if bucketed."""
     t, _ = predict(cg, choice, decisions, options)
     inline = gradient_sync(cg, choice)[1]
-    unbucketed = sum(e.unbucketed[e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]]
-                     for e in cg.edges if e.unbucketed is not None)
-    return t.total - t.grad_sync - inline + _linear_grad_sync(cg, choice) + unbucketed
+    return t.total - t.grad_sync - inline + _linear_grad_sync(cg, choice)
 
 
 def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:

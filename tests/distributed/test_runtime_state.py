@@ -232,7 +232,8 @@ def test_local_input_mode_equals_global():
     def run():
         model, args, kwargs = _model(name)
         graph = _graph(name)
-        plan = _plan(name, None, (2, 2))
+        # a plan that shards the inputs (the solved plan of this tiny model may replicate them)
+        plan = _plan(name, "data_parallel", (2, 2))
         mesh = device_mesh((2, 2))
         pm_global = autoshard.parallelize(model, plan, mesh, graph=graph)
         pm_local = autoshard.parallelize(model, plan, mesh, graph=graph, input_mode="local")
@@ -261,7 +262,7 @@ def test_local_input_mode_equals_global():
             assert p.grad is not None and grads_g[n] is not None, n
             assert torch.equal(p.grad, grads_g[n]), f"this rank's gradient shard of {n} differs"
 
-    on_all_ranks("input_mode='local', gpt2-tiny solved plan", run)
+    on_all_ranks("input_mode='local', gpt2-tiny data-parallel plan", run)
 
 
 # -- (f) gradient accumulation ---------------------------------------------------------------------
