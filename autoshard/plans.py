@@ -287,7 +287,7 @@ class Plan:
             memory=memory,
             time={k: float(v) for k, v in solution.time.to_dict().items()},
             comm=_comm_entries(nodes.values(), reshards, _recomputed(nodes.values(), decisions, runs),
-                               _partition_gathers(cg, solution)),
+                               _partition_gathers(cg, solution), _gradient_buckets(cg, solution)),
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
                                 int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
@@ -682,12 +682,29 @@ def _recomputed(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict
     return {n for n, (_, d) in _memory_regions(nodes, decisions, runs).items() if d in _RECOMPUTING}
 
 
+def _gradient_buckets(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]:
+    """The gradient all-reduces the runtime leaves to its buckets ((node, operand) pairs) and the
+    bucketed parameter gradients ((axes, bytes per device) each), see :mod:`autoshard.grad_reduction`."""
+    from .solver.ilp import gradient_reduction
+
+    reduction = gradient_reduction(cg, solution.choice)
+    buckets = []
+    for param, axes in reduction.bucketed.items():
+        host = cg.node_of[param]
+        buckets.append((axes, int(cg.nodes[host].costs.grads[solution.choice[host]])))
+    return reduction.deferred, buckets
+
+
 def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recomputed: set[str],
-                  gathers: list[tuple[str, list[int], int]]) -> list[CommEntry]:
+                  gathers: list[tuple[str, list[int], int]],
+                  grad_buckets: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]
+                  ) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
-    resharding's collective steps, forward and backward; plus, phase ``recompute``, what runs
-    again in backward (the forward collectives of the ``recomputed`` nodes, the forward
-    reshardings into them) and the all-gathers of partitioned checkpoints."""
+    resharding's collective steps, forward and backward, the gradient all-reduces left to the
+    buckets counted once per parameter (``grad_buckets``: the skipped (node, operand) pairs and the
+    bucketed gradients); plus, phase ``recompute``, what runs again in backward (the forward
+    collectives of the ``recomputed`` nodes, the forward reshardings into them) and the
+    all-gathers of partitioned checkpoints."""
     totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:
@@ -696,10 +713,13 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         t[1] += 1
 
     resharded = {(r.dst, r.operand) for r in reshards}
+    deferred, buckets = grad_buckets
     synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         again = node.name in recomputed
         for c in node.collectives:
+            if c.phase == BWD and c.operand.startswith("in") and (node.name, int(c.operand[2:])) in deferred:
+                continue
             shared = _shared_gradient_sync(node, c, resharded)
             if shared is not None:        # consumers of one value share its gradient all-reduce
                 if shared in synced:
@@ -716,6 +736,8 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
                     add(step.kind, [step.axis], phase, step.nbytes)
                     if again and phase == FWD:
                         add(step.kind, [step.axis], RECOMPUTE, step.nbytes)
+    for axes, nbytes in buckets:
+        add("all_reduce", axes, BWD, nbytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), phase, n, count)

@@ -82,7 +82,7 @@ def grad_sync(cg: CostGraph, sol: Solution) -> dict:
     """A plan's parameter-gradient sync as the step model schedules it (autoshard.solver.steptime):
     buckets, bytes, the buckets' all-reduce seconds, what the step waits for, and the seconds of
     parameter-gradient all-reduces that run inline (not bucketable)."""
-    synced, inline, backward_end = gradient_sync(cg, sol.choice)
+    synced, inline, _, backward_end = gradient_sync(cg, sol.choice)
     exposed, total = exposed_grad_sync(synced, backward_end, cg.mesh.shape, cg.hardware)
     return {"buckets": len(grad_buckets([((g.axes, g.dtype), g.nbytes) for g in synced])),
             "bytes": sum(g.nbytes for g in synced), "seconds": total, "exposed_s": exposed, "inline_s": inline}

@@ -6,9 +6,10 @@ under the plan's strategy. Around it the generated code inserts, by name:
 - ``reshard(x, comm, fwd=..., bwd=...)`` where the producer's output spec differs from the
   consumer's input spec (the plan's forward moves; the gradient takes the plan's backward moves);
 - ``sync_grad(x, comm, axes)`` on an operand that is replicated on axes where the computation is
-  split (identity forward, gradient all-reduce backward) - except parameters whose every use
-  needs the same gradient all-reduce: those are synchronised after backward in buckets
-  (:mod:`autoshard.runtime.grad_sync`);
+  split (identity forward, gradient all-reduce backward) - except where that partial gradient can
+  flow back through replicated computation to parameters, whose gradients are then synchronised
+  after backward in buckets (:mod:`autoshard.grad_reduction` decides, as the cost model prices;
+  :mod:`autoshard.runtime.grad_sync` runs the buckets);
 - ``reduce_partial(y, comm, axes)`` on an output that is a pending sum (all-reduce forward,
   identity backward);
 - ``shard_input(x, comm, dims)`` on a user input given as the global batch.
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import CapturedGraph
 from ..enumerate import node_strategies
+from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel
 from ..mesh import MeshSpec
@@ -94,7 +96,8 @@ class _Lowering:
         self.spec_of: dict[str, Any] = {}      # old node name -> output spec (or list)
         self.n_consts = 0
         self.cache: dict = {}
-        self.bucketed = self._bucketable_params() if bucket_grads else {}
+        self.reduction = self._gradient_reduction() if bucket_grads else GradReduction()
+        self.bucketed = self.reduction.bucketed
         self.regions: dict[str, int] = {}      # memory region (segment or selective run) -> region id
         self.region_of = plan.memory_regions()  # graph node -> (region, decision), not-kept nodes only
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
@@ -232,7 +235,7 @@ class _Lowering:
                                     f"but the graph's operand is '{operand.name}': the plan is for another graph")
             value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn)
         axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
-        if axes and not (entry is None and operand.name in self.bucketed):
+        if axes and (node.name, j) not in self.reduction.deferred:
             if entry is not None:
                 return self.out.call_method("sync_grad", (self._comm(), value, axes))
             # Consumers of one value that need the same gradient all-reduce share it: autograd
@@ -334,29 +337,12 @@ class _Lowering:
         setattr(self.root, name, value)
         return self.out.get_attr(name)
 
-    def _bucketable_params(self) -> dict[str, tuple[int, ...]]:
-        """Parameters whose every use reads the stored layout directly and all-reduces its gradient over
-        the same axes: their gradient is synchronised once after backward, in buckets."""
-        uses: dict[str, set[tuple[int, ...]]] = {}
-        blocked: set[str] = set()
-        for node in self.graph.graph.nodes:
-            if node.op != "call_function":
-                continue
-            entry = self.plan.nodes.get(node.name)
-            if entry is None:
-                continue
-            operands = [o for o in self._operand_names(node)]
-            for j, name in enumerate(operands):
-                if name not in self.graph.param_fqn:
-                    continue
-                if (node.name, j) in self.reshards:
-                    blocked.add(name)
-                    continue
-                axes = tuple(sorted({a for c in entry.collectives if c.phase == BWD and c.operand == f"in{j}"
-                                     for a in c.axes if self.comm.mesh_shape[a] > 1}))
-                uses.setdefault(name, set()).add(axes)
-        return {p: next(iter(a)) for p, a in uses.items()
-                if p not in blocked and len(a) == 1 and next(iter(a))}
+    def _gradient_reduction(self) -> GradReduction:
+        """Which gradients are all-reduced after backward in buckets (parameters) and which
+        ``sync_grad`` all-reduces that makes unnecessary (see :mod:`autoshard.grad_reduction`)."""
+        nodes = grad_nodes(self.graph, self._operand_names, self._strategy,
+                           lambda name, j: (name, j) in self.reshards, self.comm.mesh_shape)
+        return plan_gradient_reduction(nodes)
 
     def _operand_names(self, node: fx.Node) -> list[str]:
         strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)

@@ -73,20 +73,26 @@ everything outside is seconds and bytes.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 import pulp
 
 from ..comm import collective_cost
+from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..specs import ShardSpec
+from ..strategy import BWD, Strategy
 from ..units import format_bytes
 from .costgraph import SYNC_AXES, CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
 from .steptime import SyncedGradient, SyncPricing, exposed_grad_sync, overlap_fraction
 from .symmetry import order_identical_blocks
+
+if TYPE_CHECKING:
+    from torch import fx
 
 DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
 READOUT_ORDER = ("recompute", "partitioned", "offload", "selective", "keep")
@@ -980,9 +986,9 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
-    synced, inline, backward_end = gradient_sync(cg, choice)
-    t.comm += inline
-    t.grad_sync = exposed_grad_sync(synced, backward_end, cg.mesh.shape, cg.hardware)[0]
+    sync = gradient_sync(cg, choice)
+    t.comm += sync.inline - sync.deferred
+    t.grad_sync = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)[0]
     nonsegmented = mem.activations
     per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
     for seg in memory_segments(cg):
@@ -1006,8 +1012,8 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
     parameter-gradient all-reduce priced there as if bucketed."""
     t, _ = predict(cg, choice, decisions, options)
-    inline = gradient_sync(cg, choice)[1]
-    return t.total - t.grad_sync - inline + _linear_grad_sync(cg, choice)
+    sync = gradient_sync(cg, choice)
+    return t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
 
 
 def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
@@ -1024,45 +1030,89 @@ def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
     return max(total - overlap_fraction(hw) * backward_end, floor)
 
 
-def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> tuple[list[SyncedGradient], float, float]:
-    """The parameter gradients the runtime syncs in buckets (as ``lower`` picks them: every use
-    reads the stored layout and all-reduces over the same axes), in order of first use with the
-    backward time at which each is complete; the seconds of the other parameter-gradient
-    all-reduces, which run inline per use; and the backward's length on the compute stream."""
+def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
+    """Which gradients the runtime all-reduces in buckets under ``choice``, and which inline
+    all-reduces that spares (:func:`autoshard.grad_reduction.plan_gradient_reduction` on the
+    chosen strategy of every graph node)."""
+    graph = cg.graph
+    fx_nodes = {n.name: n for n in graph.graph.nodes}
+
+    def strategy_of(node: "fx.Node | str") -> Strategy:
+        name = node if isinstance(node, str) else node.name
+        host = cg.node_of[name]
+        return cg.nodes[host].member_strategy(name, choice[host])
+
+    def resharded(name: str, j: int) -> bool:
+        node = fx_nodes[name]
+        producer = cg.table[name].operand_nodes[j]
+        if producer not in cg.node_of:
+            return False
+        wanted = strategy_of(name).input_specs[j]
+        out = (int(node.args[1]) if node.target is operator.getitem and isinstance(graph.tensor_meta(producer), tuple)
+               else 0)
+        return wanted is not None and strategy_of(producer).output_specs[out] != wanted
+
+    return plan_gradient_reduction(grad_nodes(graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
+                                              resharded, cg.mesh.shape))
+
+
+class GradientSync(NamedTuple):
+    """The gradient all-reduces of one assignment, as the runtime runs them.
+
+    ``synced``: the parameter gradients synchronised in buckets, in order of first use, each with
+    the backward time at which it is complete. ``inline``: seconds of the parameter-gradient
+    all-reduces that run inline per use (priced as bucketed by the strategies, so not in their
+    ``comm``). ``deferred``: seconds of the activation-gradient all-reduces that the strategies
+    price inline but the runtime leaves to the buckets (see :mod:`autoshard.grad_reduction`).
+    ``backward_end``: the backward's length on the compute stream."""
+
+    synced: list[SyncedGradient]
+    inline: float
+    deferred: float
+    backward_end: float
+
+
+def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
+    """How the runtime synchronises gradients under ``choice`` (:func:`plan_gradient_reduction`
+    on the chosen strategies of every graph node), with the backward times the buckets wait for."""
     finish: dict[str, float] = {}
     clock = 0.0
     into: dict[str, list[CGEdge]] = {}
-    out_of: dict[str, list[CGEdge]] = {}
     for e in cg.edges:
         into.setdefault(e.dst, []).append(e)
-        out_of.setdefault(e.src, []).append(e)
     for node in reversed(list(cg.nodes.values())):
         c, s = node.costs, choice[node.name]
         clock += _backward_time(c)[s] + sum(e.bwd[e.src_index[choice[e.src]], e.dst_index[s]]
                                             for e in into.get(node.name, ()) if e.grad)
         finish[node.name] = clock
-    position = {n.name: i for i, n in enumerate(cg.graph.graph.nodes)}
+    graph = cg.graph
+    fx_nodes = {n.name: n for n in graph.graph.nodes}
+    reduction = gradient_reduction(cg, choice)
+    position = {n.name: i for i, n in enumerate(graph.graph.nodes)}
     synced: list[tuple[int, SyncedGradient]] = []
-    inline = 0.0
-    for node in cg.nodes.values():
-        if node.kind != "placeholder" or not node.costs.grads[choice[node.name]]:
-            continue
-        uses = []
-        for e in out_of.get(node.name, ()):
-            strategy = cg.nodes[e.dst].member_strategy(e.dst_member, choice[e.dst])
-            actions = [a for a in strategy.comm if a.bucketed and a.operand == f"in{e.operand}"]
-            stored = e.src_specs[e.src_index[choice[e.src]]] == e.dst_specs[e.dst_index[choice[e.dst]]]
-            uses.append((e, actions, stored))
-        axes = {tuple(a for x in actions for a in x.axes) for _, actions, _ in uses}
-        if uses and all(stored for _, _, stored in uses) and len(axes) == 1 and next(iter(axes)):
-            meta = cg.graph.tensor_meta(node.members[0])
-            synced.append((min(position[e.dst_member] for e, _, _ in uses), SyncedGradient(
-                next(iter(axes)), str(meta.dtype), int(node.costs.grads[choice[node.name]]),
-                max(finish[e.dst] for e, _, _ in uses))))
-        else:
-            inline += sum(a.cost for _, actions, _ in uses for a in actions)
+    for param, axes in reduction.bucketed.items():
+        users = [u.name for u in fx_nodes[param].users if u.op == "call_function"]
+        host = cg.node_of[param]
+        meta = graph.tensor_meta(fx_nodes[param])
+        synced.append((min(position[u] for u in users), SyncedGradient(
+            axes, str(meta.dtype), int(cg.nodes[host].costs.grads[choice[host]]),
+            max(finish[cg.node_of[u]] for u in users))))
     synced.sort(key=lambda item: item[0])
-    return [g for _, g in synced], inline, clock
+    inline = deferred = 0.0
+    for node in cg.nodes.values():
+        for member in node.members:
+            strategy = node.member_strategy(member, choice[node.name])
+            for a in strategy.comm:
+                if a.phase != BWD or not a.operand.startswith("in"):
+                    continue
+                j = int(a.operand[2:])
+                operand = cg.table[member].operand_nodes[j]
+                if a.bucketed and operand not in reduction.bucketed:
+                    inline += a.cost
+                elif not a.bucketed and (member, j) in reduction.deferred:
+                    deferred += a.cost
+    return GradientSync([g for _, g in synced], inline, deferred, clock)
+
 
 
 def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],
