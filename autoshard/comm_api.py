@@ -15,13 +15,15 @@ class DeviceComm(Protocol):
     mesh_shape: tuple[int, ...]
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
-                   backward: str = "sum") -> torch.Tensor:
+                   backward: str = "sum", phase: str | None = None) -> torch.Tensor:
         """All-reduce ``t`` over mesh ``axes``.
 
         ``op``: 'sum' or 'max' (max is not differentiable: use it on detached tensors).
         ``backward``: 'sum' when every device goes on to use the result for its own part of the
         work (sync-BN statistics: the gradient is the sum of all devices' gradients), 'identity'
         when the downstream work is duplicated on every device (a resolved partial sum).
+        ``phase``: what the collective is counted as ('bwd' for one a kernel's own backward runs);
+        by default 'fwd', or 'recompute' inside backward.
         """
         ...
 

@@ -101,7 +101,7 @@ class SimulatedComm(MeshCoordinates):
         self.mesh_shape = rendezvous.mesh_shape
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
-                   backward: str = "sum") -> torch.Tensor:
+                   backward: str = "sum", phase: str | None = None) -> torch.Tensor:
         axes = tuple(axes)
         if op != "sum" or not t.requires_grad:
             return self.rv.all_reduce(self.coord, t, axes, op)

@@ -119,14 +119,14 @@ def test_sync_batch_norm_prices_its_statistics_all_reduces():
     _, _, ns = _bn_strategies()
     channel = ns.by_name("RS01RR = RS01RR, S01, S01, S01, S01")
     assert not channel.comm                      # per-channel: nothing to communicate
-    # batch over axis 0, channels over axis 1: 8/2 = 4 channels of float32 per statistic
+    # batch over axis 0, channels over axis 1: 8/2 = 4 channels of float32 per statistic; forward,
+    # the (mean, M2) rows of the 2 batch shards; backward, the two per-channel gradient sums
     mixed = ns.by_name("S0S1RR = S0S1RR, S1, S1, S1, S1")
-    assert _extra(mixed) == sorted((p, f"bn-{w}", (0,), 16) for p in (FWD, BWD) for w in ("sum", "sqdev"))
+    assert _extra(mixed) == sorted([(FWD, "bn-stats", (0,), 2 * 2 * 16), (BWD, "bn-grad-sums", (0,), 2 * 16)])
     # batch and height over both axes: all 8 channels, one all-reduce over both sharding axes
     # (what the kernel runs, and what the runtime's collective counter sees)
     spatial = ns.by_name("S0RS1R = S0RS1R, R, R, R, R")
-    assert _extra(spatial) == sorted((p, f"bn-{w}", (0, 1), 32) for p in (FWD, BWD)
-                                     for w in ("sum", "sqdev"))
+    assert _extra(spatial) == sorted([(FWD, "bn-stats", (0, 1), 4 * 2 * 32), (BWD, "bn-grad-sums", (0, 1), 2 * 32)])
     # weight and bias are replicated under a batch-sharded output: their gradients are all-reduced
     assert sorted(c.operand for c in spatial.comm if not c.operand.startswith("bn-")) == ["in1", "in2"]
 

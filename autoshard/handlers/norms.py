@@ -7,10 +7,10 @@ sums, all-reduced by the framework).
 ``batch_norm`` normalises each channel (input dim 1) over the batch and spatial dims:
 
 * shard C: input dim 1 with weight/bias/running stats dim 0, no communication;
-* shard N or a spatial dim: in training this is *sync batch-norm*: the per-channel sum and the
-  sum of squared deviations are all-reduced over the axes that split the reduced dims (two
-  all-reduces of ``C_local`` values, forward and backward), so statistics, output, gradients and
-  the running-stat update equal the single-device op. In eval (``training=False``) the op is
+* shard N or a spatial dim: in training this is *sync batch-norm*: one all-reduce forward (every
+  device's per-channel mean and sum of squared deviations, combined exactly) and one backward (the
+  per-channel sums the input gradient needs) over the axes that split the reduced dims, so
+  statistics, output, gradients and the running-stat update equal the single-device op. In eval (``training=False``) the op is
   per-channel affine with the running stats, and sharding any dim needs no communication.
 """
 from __future__ import annotations
@@ -70,15 +70,89 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _stats_nbytes(op: OpInfo, in_specs: Sequence[ShardSpec], _out_specs) -> int:
+def _shards(op: OpInfo, in_specs: Sequence[ShardSpec]) -> int:
+    """Devices over which batch_norm's reduced (N, spatial) dims are split."""
+    return math.prod(in_specs[0].shard_factor(d, op.mesh.shape) for d in range(len(op.shape(0))) if d != 1)
+
+
+def _c_local_bytes(op: OpInfo, in_specs: Sequence[ShardSpec]) -> int:
     """Bytes of one per-channel statistics vector on one device: ``C_local`` values."""
-    shape = op.shape(0)
-    c_local = shape[1] // in_specs[0].shard_factor(1, op.mesh.shape)
+    c_local = op.shape(0)[1] // in_specs[0].shard_factor(1, op.mesh.shape)
     return c_local * _stat_dtype(op.operands[0].dtype).itemsize
 
 
-_SYNC_STATS = tuple(ExtraComm("all_reduce", phase, _stats_nbytes, f"bn-{stat}")
-                    for phase in (FWD, BWD) for stat in ("sum", "sqdev"))
+def _stats_nbytes(op: OpInfo, in_specs: Sequence[ShardSpec], _out_specs) -> int:
+    """Forward: every device's (mean, M2) rows, exchanged as one all-reduce of a zero-filled table."""
+    return _shards(op, in_specs) * 2 * _c_local_bytes(op, in_specs)
+
+
+def _grad_sums_nbytes(op: OpInfo, in_specs: Sequence[ShardSpec], _out_specs) -> int:
+    """Backward: (sum dy, sum dy * xhat) per channel; nothing when the input needs no gradient."""
+    return 2 * _c_local_bytes(op, in_specs) if op.operand_requires_grad(0) else 0
+
+
+_SYNC_STATS = (ExtraComm("all_reduce", FWD, _stats_nbytes, "bn-stats"),
+               ExtraComm("all_reduce", BWD, _grad_sums_nbytes, "bn-grad-sums"))
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Training batch_norm on a shard of the reduced dims with global statistics: one all-reduce
+    forward, one backward (as torch's SyncBatchNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float,  # type: ignore[override]
+                comm: DeviceComm, axes: tuple[int, ...]):
+        reduce = [0, *range(2, x.ndim)]
+        view = [1, -1] + [1] * (x.ndim - 2)
+        shards = math.prod(comm.mesh_shape[a] for a in axes)
+        n_local = x.numel() // x.shape[1]
+        count = n_local * shards
+        xs = x.detach().to(_stat_dtype(x.dtype))
+        var_local, mean_local = torch.var_mean(xs, reduce, correction=0)
+        # Each device's (mean, M2) row, all-gathered as an all-reduce of a table zero elsewhere;
+        # combined as Chan et al. do (no cancellation, unlike one sum of squares).
+        rows = xs.new_zeros(shards, 2, x.shape[1])
+        rows[comm.shard_index(axes)] = torch.stack([mean_local, var_local * n_local])
+        rows = comm.all_reduce(rows, axes)
+        means = rows[:, 0]
+        mean = means.mean(0)
+        var = (rows[:, 1].sum(0) + n_local * (means - mean).square().sum(0)) / count
+        invstd = torch.rsqrt(var + eps)
+        y = (xs - mean.view(view)) * invstd.view(view)
+        if weight is not None:
+            y = y * weight.detach().view(view)
+        if bias is not None:
+            y = y + bias.detach().view(view)
+        with torch.no_grad():
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                unbiased = var * (count / (count - 1)) if count > 1 else var
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.comm, ctx.axes, ctx.count, ctx.has_bias = comm, axes, count, bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, mean, invstd, weight = ctx.saved_tensors
+        reduce = [0, *range(2, x.ndim)]
+        view = [1, -1] + [1] * (x.ndim - 2)
+        dys = dy.to(mean.dtype)
+        xhat = (x.to(mean.dtype) - mean.view(view)) * invstd.view(view)
+        sum_dy = dys.sum(reduce)
+        sum_dy_xhat = (dys * xhat).sum(reduce)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            totals = ctx.comm.all_reduce(torch.stack([sum_dy, sum_dy_xhat]), ctx.axes, phase=BWD)
+            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+            dx = ((dys - (totals[0] / ctx.count).view(view) - xhat * (totals[1] / ctx.count).view(view))
+                  * scale.view(view)).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = sum_dy_xhat.to(weight.dtype)        # partial over ``axes``: the gradient sync sums it
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = sum_dy.to(dy.dtype)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def sync_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -87,34 +161,16 @@ def sync_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torc
                     comm: DeviceComm, axes: Sequence[int]) -> torch.Tensor:
     """Training batch_norm on a shard of the reduced (N, spatial) dims, statistics global over ``axes``.
 
-    The mean is formed first, then the sum of squared deviations from it (two all-reduces rather
-    than one of sum and sum of squares, which cancels catastrophically in low precision). Both
-    all-reduces sum their gradients in backward, since every device's output depends on the global
-    statistics. Running stats are updated in place as the single-device op does (unbiased
+    Forward: each device's per-channel mean and sum of squared deviations, exchanged in one
+    all-reduce and combined exactly (Chan et al.). Backward: one all-reduce of the per-channel
+    sums of ``dy`` and ``dy * xhat`` for the input gradient; the weight and bias gradients stay
+    this device's partial sums, which the gradient sync all-reduces like any replicated
+    parameter's. Running stats are updated in place as the single-device op does (unbiased
     variance with the global count); every device holds the same replica of its channels.
     """
     if not training:
         raise ValueError("sync_batch_norm is for training mode; eval batch_norm needs no communication")
-    reduce = [0, *range(2, input.ndim)]
-    view = [1, -1] + [1] * (input.ndim - 2)
-    shards = math.prod(comm.mesh_shape[a] for a in axes)
-    count = input.numel() // input.shape[1] * shards
-    x = input.to(_stat_dtype(input.dtype))
-    mean = comm.all_reduce(x.sum(reduce), axes, backward="sum") / count
-    centred = x - mean.view(view)
-    var = comm.all_reduce((centred * centred).sum(reduce), axes, backward="sum") / count
-    y = centred * torch.rsqrt(var + eps).view(view)
-    if weight is not None:
-        y = y * weight.view(view)
-    if bias is not None:
-        y = y + bias.view(view)
-    with torch.no_grad():
-        if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-        if running_var is not None:
-            unbiased = var * (count / (count - 1)) if count > 1 else var
-            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-    return y.to(input.dtype)
+    return _SyncBatchNorm.apply(input, weight, bias, running_mean, running_var, momentum, eps, comm, tuple(axes))
 
 
 def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:

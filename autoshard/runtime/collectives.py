@@ -109,13 +109,13 @@ class MeshComm(MeshCoordinates):
     # -- DeviceComm (axis_index / shard_index from MeshCoordinates) -----------------------------
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
-                   backward: str = "sum") -> torch.Tensor:
+                   backward: str = "sum", phase: str | None = None) -> torch.Tensor:
         """Autograd-aware all-reduce over ``axes`` (see :class:`autoshard.comm_api.DeviceComm`)."""
         axes = self.live_axes(axes)
         if not axes:
             return t
         if op != "sum" or not t.requires_grad:
-            return self.raw_all_reduce(t.detach().clone(), axes, op=op)
+            return self.raw_all_reduce(t.detach().clone(), axes, op=op, phase=phase)
         return _AllReduce.apply(t, self, axes, backward)
 
     # -- raw collectives on local tensors (counted) --------------------------------------------
