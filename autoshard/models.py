@@ -235,6 +235,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            _build_cnn, 4, 16),
     Preset("gpt2-tiny", "GPT-2 LM, 2 layers, hidden 32, vocab 128",
            _hf_preset("gpt2", **_TINY_GPT2), 2, 16),
+    Preset("gpt2-mini", "GPT-2 LM, 4 layers, hidden 128, vocab 2048, 128 positions (large enough that data "
+           "parallelism pays on 4 CPU ranks: the README demo)",
+           _hf_preset("gpt2", vocab_size=2048, n_embd=128, n_layer=4, n_head=4, n_positions=128), 8, 128),
     Preset("llama-tiny", "Llama LM with GQA (4 heads, 2 kv heads), 2 layers, hidden 32, vocab 128",
            _hf_preset("llama", **_TINY_LLAMA), 2, 16),
     Preset("bert-tiny", "BERT masked LM, 2 layers, hidden 32, vocab 128",

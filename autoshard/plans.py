@@ -886,6 +886,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(
             f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),
         _comm_line(plan),
+        _sharding_line(plan),
         _decision_line(plan),
         f"solver: {s.solver} {s.status}"
         + (f" (within {100 * s.gap:.2f}% of the proven bound)" if s.status != "optimal" and s.gap is not None else "")
@@ -910,6 +911,23 @@ def _comm_line(plan: Plan) -> str:
     total = sum(by_phase.values())
     return (f"communication per step and device: {format_bytes(total)}" + (f" ({parts})" if parts else "")
             + f"; {len(plan.reshards)} reshardings")
+
+
+def _sharding_line(plan: Plan) -> str:
+    """How much of the step runs on shards: compute ops with a sharded (or partial) operand or
+    output, and parameters stored sharded."""
+    def sharded(specs: Iterable[str | None]) -> bool:
+        return any(spec is not None and ShardSpec.parse(spec).used_axes() for spec in specs)
+
+    ops = [n for n in plan.nodes.values() if n.kind == "call_function" and n.compute_fwd + n.compute_bwd > 0]
+    split = sum(sharded([*n.inputs, *n.outputs]) for n in ops)
+    params = [n for n in plan.nodes.values() if n.kind == "placeholder" and n.memory.get("params", 0)]
+    stored = sum(sharded(n.outputs) for n in params)
+    if ops and not split:
+        return (f"sharding: none - every device runs all {len(ops)} compute ops on the whole batch "
+                f"(under this profile, communication would cost more than splitting the work saves)")
+    return (f"sharding: {split} of {len(ops)} compute ops run on a shard of their work, "
+            f"{len(ops) - split} replicated; parameters: {stored} of {len(params)} stored sharded")
 
 
 def _decision_line(plan: Plan) -> str:

@@ -403,3 +403,17 @@ def test_solution_totals_are_json_numbers() -> None:
     data = json.loads(json.dumps(planned("llama-tiny", (1, 4)).to_dict()))
     assert all(isinstance(v, float) and math.isfinite(v) for v in data["time"].values())
     assert all(isinstance(v, float) for v in data["memory"].values())
+
+
+def test_the_summary_says_how_much_is_sharded() -> None:
+    """The data-parallel plan says which compute ops run on shards; a plan where every device runs
+    the whole step says so (a tiny model on CPU ranks, where one collective costs milliseconds)."""
+    graph = graph_of("gpt2-tiny", 8)
+    dp = autoshard.plan(graph, mesh=(2, 2), hardware="cpu-gloo", baseline="data_parallel")
+    line = next(x for x in dp.summary_lines() if x.startswith("sharding:"))
+    ops = sum(n.kind == "call_function" and n.compute_fwd + n.compute_bwd > 0 for n in dp.nodes.values())
+    split, total = (int(x) for x in line.removeprefix("sharding: ").split(" compute ops")[0].split(" of "))
+    assert total == ops and 0 < split < total and "parameters: 0 of" in line
+    replicated = autoshard.plan(graph, mesh=(2, 2), hardware="cpu-gloo")
+    assert all(n.comm_bytes == 0 for n in replicated.nodes.values()) and not replicated.reshards
+    assert f"sharding: none - every device runs all {ops} compute ops" in "\n".join(replicated.summary_lines())
