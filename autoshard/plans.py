@@ -336,15 +336,15 @@ class Plan:
         """Read a plan saved by :meth:`save`. Raises :class:`PlanError` for a missing, corrupt,
         truncated or foreign file, and, when ``graph`` is given, :class:`PlanMismatchError` if the
         plan was made for another model."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"a plan path must be a str or a path, got {type(path).__name__}; pass the file "
+                            f"Plan.save or `autoshard plan --out` wrote")
         path = Path(path)
+        text = _read_plan_text(path)
         try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}") from None
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file '{path}' is not valid JSON ({e}); it is corrupt or truncated. "
+            data = json.loads(text, parse_constant=_no_constant)
+        except (json.JSONDecodeError, RecursionError, ValueError) as e:
+            raise PlanError(f"plan file '{path}' is not valid JSON ({str(e)[:200]}); it is corrupt or truncated. "
                             f"{_REPLAN} (`autoshard plan ... --out {path}`).") from None
         plan = cls.from_dict(data, source=f"plan file '{path}'")
         if graph is not None:
@@ -352,7 +352,8 @@ class Plan:
         return plan
 
     def check(self, graph: "CapturedGraph") -> None:
-        """Raise :class:`PlanMismatchError` unless ``graph`` is the graph this plan was made for."""
+        """Raise :class:`PlanMismatchError` unless ``graph`` is the graph this plan was made for, and
+        :class:`PlanError` when the plan's nodes or resharded tensors disagree with it."""
         theirs = graph.fingerprint()
         if theirs != self.fingerprint:
             raise PlanMismatchError(
@@ -360,6 +361,9 @@ class Plan:
                 f"but the given model '{graph.name}' has graph fingerprint {theirs}: the model, its input "
                 "shapes or dtypes differ. Re-plan for this model (autoshard.plan(model, inputs, ...) or "
                 "`autoshard plan`).")
+        from .plan_validation import check_against_graph
+
+        check_against_graph(self, graph)
 
     def _validate(self, source: str) -> None:
         """Cross-field checks the type check cannot do (specs parse, profile loads, mesh is 2D)."""
@@ -387,6 +391,15 @@ class Plan:
         if unknown:
             raise PlanError(f"{source}: 'recompute_runs' names node(s) {unknown[:3]} the plan does not have. "
                             f"{_REPLAN}.")
+        unknown = [seg for seg in self.segments if seg not in {n.segment for n in self.nodes.values()}]
+        if unknown:
+            raise PlanError(f"{source}: 'segments' names segment(s) {unknown[:3]} no node belongs to. {_REPLAN}.")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise PlanError(f"{source}: 'memory_budget' must be positive or null, got {self.memory_budget}. "
+                            f"{_REPLAN}.")
+        from .plan_validation import check_consistency
+
+        check_consistency(self, source)
 
     def memory_regions(self) -> dict[str, tuple[str, str]]:
         """Graph node -> (region, decision) for every node whose saved activations the plan does not
@@ -448,6 +461,46 @@ class Plan:
 
 
 _REPLAN = "Re-create the plan"
+
+MAX_PLAN_BYTES = 1 << 30
+"""The largest plan file :meth:`Plan.load` reads (a 70B model's plan is a few MiB)."""
+
+_PICKLE = (b"\x80",)           # pickle protocols 2+ start with PROTO (0x80)
+
+
+def _read_plan_text(path: Path) -> str:
+    """The text of a plan file: a regular file (not a device such as /dev/zero, a directory or a
+    pipe), at most :data:`MAX_PLAN_BYTES`, UTF-8; never unpickled or executed."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}; pass the JSON file "
+                        f"`autoshard plan --out` or Plan.save wrote") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PlanError(f"plan path '{path}' is not a regular file (a directory, device or pipe); pass the JSON "
+                        f"file `autoshard plan --out` or Plan.save wrote")
+    if st.st_size > MAX_PLAN_BYTES:
+        raise PlanError(f"plan file '{path}' is {format_bytes(st.st_size)}, more than a plan can be "
+                        f"({format_bytes(MAX_PLAN_BYTES)}); pass the JSON file `autoshard plan --out` wrote")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}") from None
+    if raw.startswith(_PICKLE):
+        raise PlanError(f"plan file '{path}' is a Python pickle, not a JSON plan; autoshard never unpickles plans. "
+                        f"{_REPLAN} (`autoshard plan ... --out {path}`).")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanError(f"plan file '{path}' is binary, not a JSON plan (not UTF-8 text); it is corrupt or another "
+                        f"kind of file. {_REPLAN} (`autoshard plan ... --out {path}`).") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a plan can hold")
 
 
 # -- building entries ----------------------------------------------------------------------------------

@@ -232,6 +232,44 @@ def _dijkstra(src: int, edges: list[list[tuple[int, ReshardStep]]]
 _TABLES: dict[tuple, ReshardTable] = {}
 
 
+def replay_moves(src: "ShardSpec | str", moves: Sequence[tuple[str, int, Sequence[int]]], shape: Sequence[int],
+                 mesh_shape: Sequence[int]) -> ShardSpec:
+    """The spec ``moves`` (each ``(kind, axis, dims)``, as :class:`ReshardStep` has them) turn ``src``
+    into, applying each as the resharding search defines it; :class:`ReshardError` naming the first
+    move that is not valid from the spec it is applied to (an unknown kind, an axis the mesh lacks,
+    a dim the move cannot take, a layout the shape does not divide)."""
+    from .hardware import LinkModel
+
+    hw = _REPLAY_HW or _replay_hw(LinkModel)
+    p = _problem(shape, 1, mesh_shape, hw)
+    spec = _spec(src)
+    if not spec.fits(p.shape, p.mesh_shape):
+        raise ReshardError(f"spec {spec} does not fit shape {list(p.shape)} on mesh {list(p.mesh_shape)}")
+    for i, (kind, axis, dims) in enumerate(moves):
+        if kind not in MOVE_KINDS:
+            raise ReshardError(f"move {i} is {kind!r}, not one of {', '.join(MOVE_KINDS)}")
+        found = [m for m in _moves(spec, p) if m.kind == kind and m.axis == axis and m.dims == tuple(dims)]
+        if not found or not found[0].after.fits(p.shape, p.mesh_shape):
+            valid = ", ".join(f"{m.kind}(axis={m.axis}, dims={list(m.dims)})" for m in _moves(spec, p)
+                              if m.after.fits(p.shape, p.mesh_shape))
+            raise ReshardError(f"move {i} {kind}(axis={axis}, dims={list(dims)}) cannot be applied to {spec} "
+                               f"(shape {list(p.shape)}, mesh {list(p.mesh_shape)}); valid moves from there: {valid}")
+        spec = found[0].after
+    return spec
+
+
+_REPLAY_HW: "HardwareProfile | None" = None
+
+
+def _replay_hw(link_model: type) -> HardwareProfile:
+    """A stand-in profile for :func:`replay_moves` (which needs the moves, not their costs)."""
+    global _REPLAY_HW
+    _REPLAY_HW = HardwareProfile(name="replay", axes=(link_model(1e-6, 1e-9), link_model(1e-6, 1e-9)),
+                                 peak_flops={"float32": 1e12}, memory_bandwidth=1e12, memory_per_device=2**40,
+                                 host_device_bandwidth=1e10)
+    return _REPLAY_HW
+
+
 def clear_reshard_cache() -> None:
     """Forget every cached resharding table."""
     _TABLES.clear()
