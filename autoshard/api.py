@@ -35,7 +35,8 @@ class BudgetError(ValueError):
 
 
 class ArgumentError(ValueError):
-    """An argument of :func:`plan` of the wrong type, out of its range, or not one of the known names."""
+    """An argument (of :func:`plan`, :func:`autoshard.parallelize` or the command line) of the wrong type,
+    out of its range, or not one of the known names."""
 
 
 def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Mapping[str, Any] | None = None,
@@ -76,7 +77,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     """
     mesh_spec = _mesh(mesh)
     hw = load_hardware(hardware)
-    budget = _budget(memory_budget, hw)
+    budget = resolve_budget(memory_budget, hw)
     _check_choice("solver", solver, _SOLVERS)
     _check_choice("fallback", fallback, _FALLBACKS)
     _check_choice("outputs", outputs, OUTPUT_MODES)
@@ -137,8 +138,9 @@ def _mesh(mesh: Any) -> MeshSpec:
         raise MeshError(f"mesh {mesh!r} is malformed ({e}); write it as (2, 4), '2x4' or 8") from None
 
 
-def _budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
-    """Bytes per device: the profile's memory when None, else a positive size no larger than it."""
+def resolve_budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
+    """Bytes per device: the profile's memory when None, else a positive size no larger than it;
+    :class:`BudgetError` otherwise (the one check of a budget, for the library and the CLI)."""
     if value is None:
         return int(hw.memory_per_device)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):

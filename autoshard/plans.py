@@ -440,14 +440,18 @@ class Plan:
         """The explanation as a rich renderable (what :meth:`explain` renders)."""
         return _renderable(self, full)
 
-    def explain(self, plain: bool = False, full: bool = False, width: int = 160) -> str:
+    def explain(self, plain: bool | None = None, full: bool = False, width: int = 160, *,
+                color: bool = False) -> str:
         """A human-readable account of the plan: a summary and a per-node table.
 
         Repeated blocks with identical decisions are shown once ('model.layers.1-31: same as
-        model.layers.0') unless ``full``. ``plain`` gives ASCII text without colour codes;
-        otherwise rich tables (with ANSI styles) rendered to text.
+        model.layers.0') unless ``full``. Plain ASCII text without escape codes (safe to print, log or
+        write to a file) unless ``color=True`` asks for rich tables with ANSI colours, ``width``
+        columns wide. ``plain=False`` is the older spelling of ``color=True``.
         """
-        if plain:
+        if plain is not None and not isinstance(plain, bool):
+            raise TypeError(f"plain must be True, False or None, got {plain!r}")
+        if not (color or plain is False):
             return _plain_text(self, full)
         from rich.console import Console
 

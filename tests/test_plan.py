@@ -305,7 +305,8 @@ def test_default_budget_is_the_profiles_memory() -> None:
 def test_explain_summary_and_plain_mode() -> None:
     plan = planned("gpt2-tiny")
     plain = plan.explain(plain=True)
-    rich = plan.explain()
+    rich = plan.explain(color=True)
+    assert plan.explain() == plain                                 # plain unless colour is asked for
     for text in (plain, rich):
         for needle in ("autoshard plan for gpt2-tiny", "mesh 2x2 (4 devices)", "hardware cpu-gloo",
                        "memory budget 4.00 GiB per device", "predicted peak memory per device",
