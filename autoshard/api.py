@@ -45,7 +45,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global") -> Plan:
+         outputs: str = "global", other_mode: bool = True) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -66,7 +66,10 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
     collective and nothing priced for it; 0-dim outputs such as a loss stay global). Use
     ``"local"`` when the training loop only needs the loss, as with DDP, where each rank keeps
-    its own logits.
+    its own logits. ``other_mode``: also plan the model's graph in its other mode (eval for a model
+    in training mode), every parameter in the layout the main plan gives it, and store it in
+    ``plan.other_mode`` (see :mod:`autoshard.modes`); the parallelized model switches between the two
+    on ``.train()``/``.eval()``. Skipped when both modes capture the same graph.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
     ``fallback``, ``outputs`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
@@ -90,7 +93,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     seconds = _number("time_limit", time_limit, hint="seconds the ILP may run, e.g. 60")
     gap = _number("gap_rel", gap_rel, zero=True, high=1.0, hint="a relative optimality gap in [0, 1), e.g. 0.01")
     for label, flag in (("merge_followers", merge_followers), ("alias_blocks", alias_blocks),
-                        ("progress", progress), ("check_batch", check_batch)):
+                        ("progress", progress), ("check_batch", check_batch), ("other_mode", other_mode)):
         if not isinstance(flag, bool):
             raise ArgumentError(f"{label} must be True or False, got {flag!r} ({type(flag).__name__})")
     if name is not None and (not isinstance(name, str) or not name):
@@ -122,8 +125,14 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
             solution = solve_baseline(cg, baseline, options).solution
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
     timings.pop("solve_wall_s")
-    return Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
-                              timings=timings)
+    result = Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
+                                timings=timings)
+    if isinstance(model_or_graph, nn.Module):
+        result.training = model_or_graph.training
+        if other_mode:
+            with stages("other_mode_s", f"planning {'eval' if result.training else 'training'} mode"):
+                result.other_mode = _other_mode(result, graph, model_or_graph, args, kwargs, name)
+    return result
 
 
 # -- validation ----------------------------------------------------------------------------------------
@@ -221,6 +230,25 @@ def _check_batch(inputs: list[tuple[str, tuple]], mesh: MeshSpec) -> None:
 
 
 # -- pipeline helpers ----------------------------------------------------------------------------------
+
+def _other_mode(result: Plan, graph: CapturedGraph, model: nn.Module, args: Any, kwargs: Mapping[str, Any] | None,
+                name: str | None) -> "Plan | None":
+    """The plan of the model's other-mode graph, or None when it is the same graph. A model whose
+    other mode cannot keep the main plan's layouts gets None and a warning: the runtime raises the
+    same :class:`~autoshard.modes.ModeError` if the model is switched."""
+    import logging
+
+    from .modes import ModeError, capture_in_mode, plan_other_mode
+
+    other_graph = capture_in_mode(model, args, kwargs, not result.training, name=name)
+    if other_graph.fingerprint() == graph.fingerprint():
+        return None
+    try:
+        return plan_other_mode(result, other_graph)
+    except ModeError as e:
+        logging.getLogger(__name__).warning("%s", e)
+        return None
+
 
 def _label(model_or_graph: Any) -> str:
     return getattr(model_or_graph, "name", None) or type(model_or_graph).__name__

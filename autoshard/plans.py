@@ -245,6 +245,14 @@ class Plan:
     inputs: dict[str, Any] | None = None
     recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
     outputs: str = "global"
+    training: bool = True
+    other_mode: "Plan | None" = None
+
+    # ``training``: the mode the model was captured in (its graph is ``nodes``); plans written before
+    # the field existed read as training. ``other_mode``: the plan of the model's graph in the other
+    # mode (eval for a training plan), parameters laid out as here (see :mod:`autoshard.modes`); None
+    # when the model's graph is the same in both modes or the plan was made from a captured graph
+    # (then :func:`autoshard.parallelize` derives it when the model is switched).
 
     # ``inputs``: the call signature the graph was captured with (``in_spec``: the pytree spec of
     # ``(args, kwargs)`` as ``treespec_dumps`` writes it; ``leaves``: per leaf ``{"shape", "dtype"}``
@@ -400,6 +408,23 @@ class Plan:
         from .plan_validation import check_consistency
 
         check_consistency(self, source)
+        if self.other_mode is not None:
+            self._validate_other_mode(source)
+
+    def _validate_other_mode(self, source: str) -> None:
+        other = self.other_mode
+        assert other is not None
+        where = f"{source}: its other-mode plan"
+        if other.training == self.training or other.other_mode is not None or other.mesh_shape != self.mesh_shape:
+            raise PlanError(f"{where} must be for the other mode ({'eval' if self.training else 'training'}) on the "
+                            f"same mesh, with no other mode of its own. {_REPLAN}.")
+        other._validate(where)
+        from .modes import ModeError, check_layouts_agree
+
+        try:
+            check_layouts_agree(self, other)
+        except ModeError as e:
+            raise PlanError(f"{where}: {e}") from None
 
     def memory_regions(self) -> dict[str, tuple[str, str]]:
         """Graph node -> (region, decision) for every node whose saved activations the plan does not
@@ -929,6 +954,11 @@ def _summary_lines(plan: Plan) -> list[str]:
     ]
     if s.note:
         lines.append(f"plan picked: {s.note}")
+    mode, other = ("training", "eval") if plan.training else ("eval", "training")
+    lines.append(f"modes: planned in {mode} mode; " + (
+        f"{other} mode planned too ({len(plan.other_mode.nodes)} nodes, parameters laid out alike)"
+        if plan.other_mode is not None else f"{other} mode derived when the model is switched (same graph, or "
+        f"planned from a captured graph)"))
     if plan.timings:
         lines.append("planning time: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f} s" for k, v in plan.timings.items()))
