@@ -314,7 +314,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; returns the exit status (2 for every user error, reported in one line)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:          # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.fn(args)
     except _user_errors() as e:
