@@ -334,6 +334,12 @@ class Plan:
     def save(self, path: "str | os.PathLike[str]") -> Path:
         """Write the plan as JSON (atomically: a crash leaves the old file or the new one)."""
         path = Path(path)
+        if path.is_dir():
+            raise PlanError(f"cannot write the plan to '{path}': it is a directory; name a file, e.g. "
+                            f"'{path / 'plan.json'}'")
+        if not path.parent.is_dir():
+            raise PlanError(f"cannot write the plan to '{path}': folder '{path.parent}' does not exist; create it "
+                            f"first or save elsewhere")
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         os.replace(tmp, path)
@@ -529,6 +535,12 @@ def _read_plan_text(path: Path) -> str:
 
 
 def _no_constant(name: str) -> Any:
+    """JSON's non-standard constants: Infinity is a number a plan may hold (an unbounded solver gap),
+    NaN is not."""
+    if name == "Infinity":
+        return math.inf
+    if name == "-Infinity":
+        return -math.inf
     raise ValueError(f"{name} is not a number a plan can hold")
 
 

@@ -539,3 +539,23 @@ def test_eval_mode_is_planned_with_the_training_layouts() -> None:
     assert other == main
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).other_mode.to_dict() == plan.other_mode.to_dict()
     assert "eval mode planned too" in plan.explain()
+
+
+@pytest.mark.parametrize("kw,fix", [({"timeout": -1}, r"timeout must be positive"),
+                                    ({"timeout": "soon"}, r"finite number of seconds"),
+                                    ({"backend": "mpi2"}, r"'nccl', 'gloo' or None"),
+                                    ({"shape": (2.5, 2)}, r"int >= 1")],
+                         ids=["timeout-negative", "timeout-string", "backend", "mesh"])
+def test_init_mesh_arguments(kw, fix) -> None:
+    """Checked before any process group is created (no ranks needed)."""
+    options = {"shape": (2, 2), **kw}
+    with pytest.raises(MeshError, match=fix):
+        autoshard.init_mesh(options.pop("shape"), **options)
+
+
+@pytest.mark.parametrize("where,fix", [("missing-folder", r"folder .* does not exist; create it"),
+                                       ("directory", r"it is a directory; name a file")])
+def test_plan_save_targets(tmp_path, where, fix) -> None:
+    target = tmp_path / "no" / "plan.json" if where == "missing-folder" else tmp_path
+    with pytest.raises(PlanError, match=fix):
+        _plan().save(target)

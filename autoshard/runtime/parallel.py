@@ -215,6 +215,12 @@ class ParallelModule(nn.Module):
         return self._mode(self.training).program.module
 
     @property
+    def placeholders(self) -> list[PlaceholderInfo]:
+        """The inputs of the current mode's program: parameters, buffers and user inputs with their
+        layouts (``spec``; in local input mode each rank passes its block of a user input)."""
+        return self._mode(self.training).program.placeholders
+
+    @property
     def output_specs(self) -> list[ShardSpec | None]:
         """The layout of each flat output of the current mode (see :func:`parallelize`)."""
         return self._mode(self.training).program.output_specs
