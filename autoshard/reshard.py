@@ -29,12 +29,13 @@ gives an all-pairs table, which is cached; later queries are dictionary lookups.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Collective, collective_cost
-from .hardware import HardwareProfile
+from .hardware import HardwareProfile, LinkModel
 from .specs import ShardSpec, SpecError, all_specs
 from .units import format_bytes
 
@@ -238,10 +239,7 @@ def replay_moves(src: "ShardSpec | str", moves: Sequence[tuple[str, int, Sequenc
     into, applying each as the resharding search defines it; :class:`ReshardError` naming the first
     move that is not valid from the spec it is applied to (an unknown kind, an axis the mesh lacks,
     a dim the move cannot take, a layout the shape does not divide)."""
-    from .hardware import LinkModel
-
-    hw = _REPLAY_HW or _replay_hw(LinkModel)
-    p = _problem(shape, 1, mesh_shape, hw)
+    p = _problem(shape, 1, mesh_shape, _replay_profile())
     spec = _spec(src)
     if not spec.fits(p.shape, p.mesh_shape):
         raise ReshardError(f"spec {spec} does not fit shape {list(p.shape)} on mesh {list(p.mesh_shape)}")
@@ -258,16 +256,12 @@ def replay_moves(src: "ShardSpec | str", moves: Sequence[tuple[str, int, Sequenc
     return spec
 
 
-_REPLAY_HW: "HardwareProfile | None" = None
-
-
-def _replay_hw(link_model: type) -> HardwareProfile:
-    """A stand-in profile for :func:`replay_moves` (which needs the moves, not their costs)."""
-    global _REPLAY_HW
-    _REPLAY_HW = HardwareProfile(name="replay", axes=(link_model(1e-6, 1e-9), link_model(1e-6, 1e-9)),
-                                 peak_flops={"float32": 1e12}, memory_bandwidth=1e12, memory_per_device=2**40,
-                                 host_device_bandwidth=1e10)
-    return _REPLAY_HW
+@functools.lru_cache(maxsize=1)
+def _replay_profile() -> HardwareProfile:
+    """A stand-in profile for :func:`replay_moves`, which needs the moves, not their costs."""
+    link = LinkModel(1e-6, 1e-9)
+    return HardwareProfile(name="replay", axes=(link, link), peak_flops={"float32": 1e12}, memory_bandwidth=1e12,
+                           memory_per_device=2**40, host_device_bandwidth=1e10)
 
 
 def clear_reshard_cache() -> None:
