@@ -51,6 +51,8 @@ def check_consistency(plan: "Plan", source: str) -> None:
             if not c.axes or any(a not in range(len(mesh)) for a in c.axes):
                 raise _error(source, f"node '{key}' has a {c.kind} over mesh axes {c.axes}; the {plan.mesh} mesh has "
                                      f"axes 0 and 1")
+    if plan.inputs is not None:
+        check_input_signature(plan.inputs, source)
     resharded: dict[tuple[str, int], "ReshardEntry"] = {}
     for r in plan.reshards:
         if (r.dst, r.operand) in resharded:
@@ -69,6 +71,37 @@ def check_consistency(plan: "Plan", source: str) -> None:
                 raise _error(source, f"node '{key}' reads operand {j} ('{producer}') as {wanted}, but '{producer}' "
                                      f"produces {', '.join(map(str, made))} and the plan records no resharding "
                                      f"between them")
+
+
+def check_input_signature(inputs: Any, source: str) -> None:
+    """The recorded call signature (:attr:`Plan.inputs`) must rebuild example inputs: an ``in_spec``
+    pytree can read with one leaf per entry of ``leaves``, each a tensor (``shape`` of ints >= 0,
+    ``dtype`` a torch dtype name) or a JSON constant (``value``)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    if not isinstance(inputs, dict) or set(inputs) != {"in_spec", "leaves"} or not isinstance(inputs["leaves"], list) \
+            or not isinstance(inputs["in_spec"], str):
+        raise _error(source, "'inputs' must be {\"in_spec\": <pytree spec>, \"leaves\": [...]}")
+    try:
+        spec = pytree.treespec_loads(inputs["in_spec"])
+    except Exception as e:  # pytree raises JSON, type and registration errors alike: all mean "unreadable"
+        raise _error(source, f"'inputs.in_spec' is not a pytree spec autoshard can read ({type(e).__name__}: {e})") \
+            from None
+    if spec.num_leaves != len(inputs["leaves"]):
+        raise _error(source, f"'inputs.in_spec' has {spec.num_leaves} leaves but 'inputs.leaves' lists "
+                             f"{len(inputs['leaves'])}")
+    for i, leaf in enumerate(inputs["leaves"]):
+        if not isinstance(leaf, dict):
+            raise _error(source, f"'inputs.leaves[{i}]' must be an object")
+        if "shape" in leaf:
+            shape, dtype = leaf.get("shape"), leaf.get("dtype")
+            if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+                raise _error(source, f"'inputs.leaves[{i}].shape' must be a list of ints >= 0, got {shape!r}")
+            if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise _error(source, f"'inputs.leaves[{i}].dtype' is {dtype!r}, not a torch dtype name")
+        elif set(leaf) != {"value"}:
+            raise _error(source, f"'inputs.leaves[{i}]' must hold a tensor's shape and dtype or a constant's value")
 
 
 def _check_reshard(plan: "Plan", r: "ReshardEntry", source: str) -> None:

@@ -361,6 +361,10 @@ class Plan:
             raise PlanError(f"plan file '{path}' is not valid JSON ({str(e)[:200]}); it is corrupt or truncated. "
                             f"{_REPLAN} (`autoshard plan ... --out {path}`).") from None
         plan = cls.from_dict(data, source=f"plan file '{path}'")
+        from .capture import CapturedGraph
+
+        if graph is not None and not isinstance(graph, CapturedGraph):
+            raise TypeError(f"graph must be a CapturedGraph (autoshard.capture(model, args)), got {type(graph).__name__}")
         if graph is not None:
             plan.check(graph)
         return plan

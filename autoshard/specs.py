@@ -57,6 +57,8 @@ class ShardSpec:
     @staticmethod
     def parse(text: str) -> "ShardSpec":
         """Parse ``[S0, R, S1]``, ``S0RS1`` or either followed by ``+P<axes>``."""
+        if not isinstance(text, str):
+            raise SpecError(f"a spec is a string such as 'S0R' or '[S0, R]', got {text!r} ({type(text).__name__})")
         body, _, part = text.strip().partition("+")
         partial: tuple[int, ...] = ()
         if part:

@@ -559,3 +559,25 @@ def test_plan_save_targets(tmp_path, where, fix) -> None:
     target = tmp_path / "no" / "plan.json" if where == "missing-folder" else tmp_path
     with pytest.raises(PlanError, match=fix):
         _plan().save(target)
+
+
+SIGNATURES: list[tuple[str, Callable[[dict], None], str]] = [
+    ("inputs-dtype", lambda d: d["inputs"]["leaves"][0].update(dtype="float99"), r"'float99', not a torch dtype"),
+    ("inputs-shape", lambda d: d["inputs"]["leaves"][0].update(shape=[-4, 16]), r"list of ints >= 0"),
+    ("inputs-spec", lambda d: d["inputs"].update(in_spec="garbage"), r"not a pytree spec"),
+    ("inputs-leaf-count", lambda d: d["inputs"]["leaves"].append({"value": 1}),
+     r"has \d+ leaves but 'inputs.leaves' lists \d+"),
+]
+
+
+@pytest.mark.parametrize("case", SIGNATURES, ids=[c[0] for c in SIGNATURES])
+def test_plan_input_signature(case) -> None:
+    """The recorded example inputs parallelize rebuilds the graph from are checked on load."""
+    _, edit, fix = case
+    with pytest.raises(PlanError, match=fix):
+        Plan.from_dict(json.loads(json.dumps(_edited(edit))))
+
+
+def test_spec_of_wrong_type() -> None:
+    with pytest.raises(SpecError, match=r"a spec is a string such as 'S0R'"):
+        ShardSpec.parse(3)  # type: ignore[arg-type]
