@@ -64,7 +64,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     ``"broadcast"`` gives every rank rank 0's values. ``pmodel.replicas`` says which was done.
     ``check_inputs``: ``"first"`` (default) checks on the first call that every rank passed the same
     batch (global input mode) and, when the model draws random numbers (dropout), has the same RNG
-    state; ``"always"`` on every call; ``"never"`` not at all.
+    state; ``"always"`` on every call, and also that every rank ran backward on as many steps (a
+    rank that skips a backward whose collectives the others wait in ends in the collective timeout
+    instead); ``"never"`` not at all.
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -149,6 +151,8 @@ class ParallelModule(nn.Module):
         main = self._make_mode(graph, plan)
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._steps_checked = 0
+        self._grad_steps = 0                       # forwards whose outputs need a backward
+        self._backward_steps: set[int] = set()     # those a gradient has reached
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
         object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
         self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
@@ -295,13 +299,30 @@ class ParallelModule(nn.Module):
                 feeds.append(None)
             else:
                 raise PlanError(f"placeholder '{p.name}' ({p.kind}) is not supported by the runtime yet")
-        due = self.check_inputs == "always" or (self.check_inputs == "first" and not self._steps_checked)
-        if due and (self.input_mode == "global" or mode.random):
-            agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device)
+        always = self.check_inputs == "always"
+        if always or (self.check_inputs == "first" and not self._steps_checked and
+                      (self.input_mode == "global" or mode.random)):
+            agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
+                          backward=(self._grad_steps, len(self._backward_steps)) if always else None)
         self._steps_checked += 1
         out = mode.program.module(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
+        if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
+            self._watch_backward(out)
         return pytree.tree_unflatten(out, mode.out_spec)
+
+    def _watch_backward(self, outputs: list[Any]) -> None:
+        """Count this step as one that needs a backward, and mark it done when a gradient reaches any
+        of its outputs (``check_inputs="always"`` compares the counts across ranks)."""
+        step = self._grad_steps
+        self._grad_steps += 1
+
+        def done(grad: torch.Tensor) -> None:
+            self._backward_steps.add(step)
+
+        for o in outputs:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(done)
 
     def _input(self, value: Any, p: PlaceholderInfo, graph: CapturedGraph) -> Any:
         where = graph.user_input_specs.get(p.name, p.name)

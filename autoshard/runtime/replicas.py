@@ -122,12 +122,16 @@ def _rng_digest(device: torch.device) -> str:
     return h.hexdigest()
 
 
-def agree_on_step(inputs: list[tuple[str, Any]] | None, random: list[str], device: torch.device) -> None:
+def agree_on_step(inputs: list[tuple[str, Any]] | None, random: list[str], device: torch.device, *,
+                  backward: tuple[int, int] | None = None) -> None:
     """:class:`ReplicaMismatchError` unless every rank passed the same inputs (``inputs``: (where,
-    value) pairs; None in local input mode, where each rank passes its own shard) and, when the
-    program draws random numbers (``random``: its random nodes), every rank has the same RNG state.
-    Collective: every rank must call it with the same kind of arguments."""
+    value) pairs; None in local input mode, where each rank passes its own shard), when the program
+    draws random numbers (``random``: its random nodes) every rank has the same RNG state, and
+    (``backward``: steps that needed a backward, steps that got one) every rank ran backward on as
+    many steps. Collective: every rank must call it with the same kind of arguments."""
     mine: dict[str, Any] = {}
+    if backward is not None:
+        mine["backward"] = backward
     if inputs is not None:
         mine["inputs"] = [(where, checksum(v) if isinstance(v, torch.Tensor) else repr(v)) for where, v in inputs]
     if random:
@@ -143,6 +147,13 @@ def agree_on_step(inputs: list[tuple[str, Any]] | None, random: list[str], devic
                 f"differ on rank(s) {ranks} from rank 0: give every rank the same data (same seed and order), or "
                 f"parallelize with input_mode='local' and pass each rank its shard (pmodel.comm.shard_input); "
                 f"check_inputs='never' skips this check")
+    if "backward" in mine:
+        ranks = [r for r, theirs in enumerate(everyone) if theirs["backward"] != everyone[0]["backward"]]
+        if ranks:
+            counts = ", ".join(f"rank {r}: {b} of {n}" for r, (n, b) in enumerate(t["backward"] for t in everyone))
+            raise ReplicaMismatchError(
+                f"ranks ran backward on different numbers of training steps ({counts} steps): every rank must call "
+                f"backward on the same steps, or the replicas drift apart; run the same loop on every rank")
     if "rng" in mine:
         ranks = [r for r, theirs in enumerate(everyone) if theirs["rng"] != everyone[0]["rng"]]
         if ranks:

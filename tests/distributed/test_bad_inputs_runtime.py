@@ -169,3 +169,30 @@ def test_parallelize_arguments(kw, fix) -> None:
         autoshard.parallelize(_model(), plan, device_mesh(MESH), **kw)
     with pytest.raises(ArgumentError, match=r"needs a Plan"):
         autoshard.parallelize(_model(), "plan.json", device_mesh(MESH))
+
+
+def _replicated_plan(model: nn.Module) -> autoshard.Plan:
+    """Every node replicated: no collective at all, so a rank that skips backward would drift silently."""
+    from autoshard.enumerate import enumerate_strategies
+    from autoshard.runtime import capture_meta
+    from autoshard.solver.costgraph import build_cost_graph
+    from autoshard.solver.fixed import fixed_solution
+    from autoshard.solver.ilp import SolverOptions
+
+    graph = capture_meta(model, (_batch(0),), name="mlp")
+    cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=MESH, hardware="cpu-gloo"), merge_followers=False,
+                          alias_blocks=False)
+    return autoshard.Plan.from_solution(cg, fixed_solution(cg, {}), model_name="mlp", options=SolverOptions(),
+                                        budget=None)
+
+
+def test_a_rank_that_skips_backward_is_an_error() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pm = autoshard.parallelize(model, _replicated_plan(model), device_mesh(MESH), check_inputs="always")
+    pm(_batch(0)).sum().backward()
+    loss = pm(_batch(1)).sum()
+    if dist.get_rank() != 3:
+        loss.backward()
+    with pytest.raises(ReplicaMismatchError, match=r"rank 3: 1 of 2.*same steps"):
+        pm(_batch(2))
