@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     ``"check"`` (default) compares an exact checksum of every parameter and buffer across ranks and
     raises :class:`~autoshard.runtime.replicas.ReplicaMismatchError` naming what differs;
     ``"broadcast"`` gives every rank rank 0's values. ``pmodel.replicas`` says which was done.
-    ``check_inputs``: ``"first"`` (default) checks on the first call that every rank passed the same
+    ``check_inputs``: ``"first"`` (default) checks on the first call in each mode that every rank passed the same
     batch (global input mode) and, when the model draws random numbers (dropout), has the same RNG
     state; ``"always"`` on every call, and also that every rank ran backward on as many steps (a
     rank that skips a backward whose collectives the others wait in ends in the collective timeout
@@ -150,7 +150,7 @@ class ParallelModule(nn.Module):
             self._signature = None
         main = self._make_mode(graph, plan)
         self._modes: dict[bool, _Mode] = {plan.training: main}
-        self._steps_checked = 0
+        self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
         self._grad_steps = 0                       # forwards whose outputs need a backward
         self._backward_steps: set[int] = set()     # those a gradient has reached
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
@@ -300,11 +300,11 @@ class ParallelModule(nn.Module):
             else:
                 raise PlanError(f"placeholder '{p.name}' ({p.kind}) is not supported by the runtime yet")
         always = self.check_inputs == "always"
-        if always or (self.check_inputs == "first" and not self._steps_checked and
+        if always or (self.check_inputs == "first" and self.training not in self._checked_modes and
                       (self.input_mode == "global" or mode.random)):
             agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
                           backward=(self._grad_steps, len(self._backward_steps)) if always else None)
-        self._steps_checked += 1
+        self._checked_modes.add(self.training)
         out = mode.program.module(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
