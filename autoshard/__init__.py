@@ -12,7 +12,10 @@ from .specs import ShardSpec, SpecError
 from .strategy import AxisOption, CommAction, MemoryCost, Strategy
 from .plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from .solver.ilp import InfeasibleBudgetError
-from .api import BudgetError, plan
+from .api import ArgumentError, BudgetError, plan
+from .modes import ModeError
+from .runtime.inputs import InputError
+from .runtime.replicas import ReplicaMismatchError
 from .runtime import (AutoChunkError, autochunk, offload_parameters, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
 
@@ -27,4 +30,5 @@ __all__ = [
     "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
     "parallelize", "save_checkpoint", "SavedTensorMeter", "apply_memory_annotations",
     "AutoChunkError", "autochunk", "offload_parameters",
+    "ArgumentError", "InputError", "ModeError", "ReplicaMismatchError",
 ]

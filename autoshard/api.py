@@ -7,6 +7,7 @@ the inputs are; meta tensors allocate nothing) -> strategy enumeration -> cost g
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -14,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import CapturedGraph, capture
+from .capture import CapturedGraph, TensorMeta, capture
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
@@ -23,14 +24,19 @@ from .solver.costgraph import build_cost_graph
 from .solver.ilp import SolverOptions, solve
 from .units import format_bytes, parse_bytes
 
-__all__ = ["BudgetError", "plan"]
+__all__ = ["ArgumentError", "BudgetError", "plan"]
 
 _SOLVERS = ("highs", "cbc")
 _FALLBACKS = ("error", "replicate")
 
 
 class BudgetError(ValueError):
-    """A memory budget that cannot be read or is not a positive size."""
+    """A memory budget that cannot be read, is not a positive size, or exceeds the device's memory."""
+
+
+class ArgumentError(ValueError):
+    """An argument (of :func:`plan`, :func:`autoshard.parallelize` or the command line) of the wrong type,
+    out of its range, or not one of the known names."""
 
 
 def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Mapping[str, Any] | None = None,
@@ -39,7 +45,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global") -> Plan:
+         outputs: str = "global", other_mode: bool = True) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -60,9 +66,13 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
     collective and nothing priced for it; 0-dim outputs such as a loss stay global). Use
     ``"local"`` when the training loop only needs the loss, as with DDP, where each rank keeps
-    its own logits.
+    its own logits. ``other_mode``: also plan the model's graph in its other mode (eval for a model
+    in training mode), every parameter in the layout the main plan gives it, and store it in
+    ``plan.other_mode`` (see :mod:`autoshard.modes`); the parallelized model switches between the two
+    on ``.train()``/``.eval()``. Skipped when both modes capture the same graph.
 
-    Raises ValueError (an unknown ``solver``, ``fallback`` or ``outputs``), :class:`MeshError`
+    Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
+    ``fallback``, ``outputs`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
     (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
@@ -70,14 +80,33 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     """
     mesh_spec = _mesh(mesh)
     hw = load_hardware(hardware)
-    budget = _budget(memory_budget, hw)
+    budget = resolve_budget(memory_budget, hw)
     _check_choice("solver", solver, _SOLVERS)
     _check_choice("fallback", fallback, _FALLBACKS)
     _check_choice("outputs", outputs, OUTPUT_MODES)
+    if baseline is not None:
+        from .solver.baselines import BASELINES
+
+        _check_choice("baseline", baseline, tuple(BASELINES))
+    opt_bytes = _number("optimizer_bytes_per_param", optimizer_bytes_per_param, zero=True,
+                        hint="bytes of optimizer state per parameter element: 8 for AdamW in fp32, 0 for SGD")
+    seconds = _number("time_limit", time_limit, hint="seconds the ILP may run, e.g. 60")
+    gap = _number("gap_rel", gap_rel, zero=True, high=1.0, hint="a relative optimality gap in [0, 1), e.g. 0.01")
+    for label, flag in (("merge_followers", merge_followers), ("alias_blocks", alias_blocks),
+                        ("progress", progress), ("check_batch", check_batch), ("other_mode", other_mode)):
+        if not isinstance(flag, bool):
+            raise ArgumentError(f"{label} must be True or False, got {flag!r} ({type(flag).__name__})")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ArgumentError(f"name must be a non-empty string (the model's label in the plan) or None, got {name!r}")
+    if not isinstance(model_or_graph, (nn.Module, CapturedGraph)):
+        raise ArgumentError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}; "
+                            f"pass the model, then its example inputs")
+    inputs = _input_tensors(model_or_graph, args, kwargs)
+    _check_inputs(inputs)
     if check_batch:
-        _check_batch(_input_shapes(model_or_graph, args, kwargs), mesh_spec)
-    options = SolverOptions(memory_budget=budget, optimizer_bytes_per_param=float(optimizer_bytes_per_param),
-                            solver=solver, time_limit=float(time_limit), gap_rel=float(gap_rel))
+        _check_batch([(where, tuple(shape)) for where, shape, _ in inputs], mesh_spec)
+    options = SolverOptions(memory_budget=budget, optimizer_bytes_per_param=opt_bytes,
+                            solver=solver, time_limit=seconds, gap_rel=gap)
     stages = _Stages(progress)
     with stages("capture_s", f"capturing {name or _label(model_or_graph)}"):
         graph = _captured(model_or_graph, args, kwargs, name)
@@ -86,7 +115,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     with stages("costgraph_s", "building the cost graph"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
-    with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"):
+    with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"), \
+            _stdout_to_stderr():
         from .solver.baselines import best_by_step_model, solve_baseline
 
         if baseline is None:
@@ -95,8 +125,14 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
             solution = solve_baseline(cg, baseline, options).solution
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
     timings.pop("solve_wall_s")
-    return Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
-                              timings=timings)
+    result = Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
+                                timings=timings)
+    if isinstance(model_or_graph, nn.Module):
+        result.training = model_or_graph.training
+        if other_mode:
+            with stages("other_mode_s", f"planning {'eval' if result.training else 'training'} mode"):
+                result.other_mode = _other_mode(result, graph, model_or_graph, args, kwargs, name)
+    return result
 
 
 # -- validation ----------------------------------------------------------------------------------------
@@ -111,8 +147,9 @@ def _mesh(mesh: Any) -> MeshSpec:
         raise MeshError(f"mesh {mesh!r} is malformed ({e}); write it as (2, 4), '2x4' or 8") from None
 
 
-def _budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
-    """Bytes per device: the profile's memory when None, else a positive size."""
+def resolve_budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
+    """Bytes per device: the profile's memory when None, else a positive size no larger than it;
+    :class:`BudgetError` otherwise (the one check of a budget, for the library and the CLI)."""
     if value is None:
         return int(hw.memory_per_device)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -123,22 +160,54 @@ def _budget(value: "int | float | str | None", hw: HardwareProfile) -> int:
         raise BudgetError(f"memory budget: {e}") from None
     if budget <= 0:
         raise BudgetError(f"memory budget must be positive, got {value!r}; write e.g. '40GiB'")
+    if budget > hw.memory_per_device:
+        raise BudgetError(
+            f"memory budget {format_bytes(budget)} exceeds the {format_bytes(hw.memory_per_device)} a device of "
+            f"hardware profile '{hw.name}' has; pass at most {format_bytes(hw.memory_per_device)} (or omit the "
+            f"budget to use all of it), or a profile of the device you run on")
     return budget
 
 
-def _check_choice(label: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{label} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+def _check_choice(label: str, value: Any, allowed: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ArgumentError(f"{label} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
 
 
-def _input_shapes(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None) -> list[tuple[str, tuple]]:
-    """(where, shape) of every user-input tensor: from the graph, or from the example inputs."""
+def _number(label: str, value: Any, *, zero: bool = False, high: float = math.inf, hint: str) -> float:
+    """``value`` as a finite float above 0 (or equal to 0 with ``zero``), below ``high``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > 0 or (zero and value == 0)) and value < high
+    if not ok:
+        bound = "a finite number >= 0" if zero else "a finite number > 0"
+        if high < math.inf:
+            bound += f" and < {high:g}"
+        raise ArgumentError(f"{label} must be {bound}, got {value!r}: {hint}")
+    return float(value)
+
+
+def _input_tensors(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None
+                   ) -> list[tuple[str, tuple, torch.dtype]]:
+    """(where, shape, dtype) of every user-input tensor: from the graph, or from the example inputs."""
     if isinstance(model_or_graph, CapturedGraph):
         g = model_or_graph
-        return [(g.user_input_specs.get(p, p), tuple(g.tensor_meta(p).shape)) for p in g.user_inputs]
+        metas = [(g.user_input_specs.get(p, p), g.tensor_meta(p)) for p in g.user_inputs]
+        return [(where, tuple(m.shape), m.dtype) for where, m in metas if isinstance(m, TensorMeta)]
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise ArgumentError(f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     leaves, _ = pytree.tree_flatten_with_path((args, dict(kwargs or {})))
-    return [(_describe(path), tuple(leaf.shape)) for path, leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return [(_describe(path), tuple(leaf.shape), leaf.dtype) for path, leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _check_inputs(inputs: list[tuple[str, tuple, torch.dtype]]) -> None:
+    """ArgumentError for an example input with a zero-size dim (nothing to plan)."""
+    if not inputs:
+        raise ArgumentError("the model has no tensor inputs to plan for; pass example inputs: "
+                            "autoshard.plan(model, (x,), mesh=...) (meta tensors work)")
+    for where, shape, _ in inputs:
+        if 0 in shape:
+            raise ArgumentError(f"example input {where} has shape {list(shape)} with a zero-size dim: there is "
+                                f"nothing to plan; pass inputs of the shapes you train with (meta tensors work)")
 
 
 def _describe(path: Sequence[Any]) -> str:
@@ -162,6 +231,25 @@ def _check_batch(inputs: list[tuple[str, tuple]], mesh: MeshSpec) -> None:
 
 # -- pipeline helpers ----------------------------------------------------------------------------------
 
+def _other_mode(result: Plan, graph: CapturedGraph, model: nn.Module, args: Any, kwargs: Mapping[str, Any] | None,
+                name: str | None) -> "Plan | None":
+    """The plan of the model's other-mode graph, or None when it is the same graph. A model whose
+    other mode cannot keep the main plan's layouts gets None and a warning: the runtime raises the
+    same :class:`~autoshard.modes.ModeError` if the model is switched."""
+    import logging
+
+    from .modes import ModeError, capture_in_mode, plan_other_mode
+
+    other_graph = capture_in_mode(model, args, kwargs, not result.training, name=name)
+    if other_graph.fingerprint() == graph.fingerprint():
+        return None
+    try:
+        return plan_other_mode(result, other_graph)
+    except ModeError as e:
+        logging.getLogger(__name__).warning("%s", e)
+        return None
+
+
 def _label(model_or_graph: Any) -> str:
     return getattr(model_or_graph, "name", None) or type(model_or_graph).__name__
 
@@ -176,6 +264,29 @@ def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, 
     from .runtime.parallel import capture_meta
 
     return capture_meta(model_or_graph, args, kwargs, name=name)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 (the HiGHS banner) to stderr, so that stdout
+    carries only what autoshard prints (a plan explanation piped to a file stays clean)."""
+    import os
+    import sys
+
+    try:
+        out, err = sys.__stdout__.fileno(), sys.__stderr__.fileno()   # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):    # no real descriptors (e.g. an embedded interpreter)
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(out)
+    try:
+        os.dup2(err, out)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, out)
+        os.close(saved)
 
 
 class _Stages:

@@ -111,9 +111,42 @@ def capture(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None =
         raise CaptureError(_export_failure_message(label, model, e)) from e
     exported_at = time.perf_counter()
     graph = CapturedGraph(exported, model, args, kwargs, name=label)
+    check_operand_dtypes(graph)
     graph.timings = {"export_s": exported_at - start,
                      "postprocess_s": time.perf_counter() - exported_at}
     return graph
+
+
+# Ops whose tensor operands must all have one dtype: meta tensors do not check it, so a mismatch
+# (int64 inputs to an fp32 Linear) would be planned and fail only on real ranks.
+# Value: how many leading arguments must agree (attention masks may be bool).
+_SAME_DTYPE_OPS = {
+    aten.linear.default: 3, aten.mm.default: 2, aten.addmm.default: 3, aten.bmm.default: 2,
+    aten.baddbmm.default: 3, aten.matmul.default: 2, aten.conv1d.default: 3, aten.conv2d.default: 3,
+    aten.conv3d.default: 3, aten.convolution.default: 3, aten.scaled_dot_product_attention.default: 3,
+}
+
+
+def check_operand_dtypes(graph: "CapturedGraph") -> None:
+    """:class:`CaptureError` when a matmul-family op reads tensors of different dtypes (an integer
+    input to a float Linear, a float64 input to float32 weights): it would fail on real tensors."""
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node.target not in _SAME_DTYPE_OPS:
+            continue
+        operands = [a for a in node.args[:_SAME_DTYPE_OPS[node.target]] if isinstance(a, fx.Node)]
+        dtypes = {}
+        for a in operands:
+            meta = graph.tensor_meta(a)
+            if isinstance(meta, TensorMeta):
+                dtypes[a.name] = meta.dtype
+        if len(set(dtypes.values())) > 1:
+            listed = ", ".join(f"{n}: {str(d).removeprefix('torch.')}" for n, d in dtypes.items())
+            inputs = [n for n in dtypes if n in graph.user_input_specs]
+            hint = (f"pass example input {graph.user_input_specs[inputs[0]]} in the dtype the model computes in "
+                    f"(e.g. x.float()), or convert the model" if inputs
+                    else "cast the operands to one dtype in the model")
+            raise CaptureError(f"node '{node.name}' ({op_name(node)}, module '{graph.module_path(node) or '<root>'}') "
+                               f"reads tensors of different dtypes ({listed}); it would fail on real tensors: {hint}")
 
 
 def _export_failure_message(label: str, model: nn.Module, error: Exception) -> str:

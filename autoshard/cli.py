@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+import typing
 from collections import defaultdict
 from typing import Sequence
 
@@ -60,6 +61,7 @@ def _capture(args: argparse.Namespace) -> int:
 def _enumerate(args: argparse.Namespace) -> int:
     from .enumerate import enumerate_strategies
 
+    _preflight(args)
     graph = _graph(args)
     with console.status(f"enumerating strategies on mesh {args.mesh}..."):
         table = enumerate_strategies(graph, mesh_shape=args.mesh, hardware=args.hardware, fallback=args.fallback)
@@ -73,7 +75,7 @@ def _enumerate(args: argparse.Namespace) -> int:
             json.dump(data, f, indent=1)
         console.print(f"wrote {args.json}")
     if args.node:
-        ns = table[args.node]
+        ns = _node(table, args.node)
         t = Table("strategy", "fwd s", "bwd s", "comm s", "saved B")
         for s in ns.strategies:
             t.add_row(escape(s.name), f"{s.compute_fwd:.3g}", f"{s.compute_bwd:.3g}", f"{s.comm_time():.3g}",
@@ -86,6 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     """Plan a model (with progress on stderr), print the explanation, optionally save the plan."""
     from .api import plan
 
+    _preflight(args)
     t0 = time.perf_counter()
     graph = _graph(args)
     capture_s = time.perf_counter() - t0
@@ -103,6 +106,56 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         console.print("(not saved: pass --out plan.json to save the plan)", highlight=False)
     return 0
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """Every check of the command's arguments that needs no model, run before the capture (which can
+    take minutes): mesh, hardware profile, budget against the profile, writable output files. Each
+    uses the library's own validator, so the command line and the API give the same errors."""
+    from .api import resolve_budget
+    from .hardware import load_hardware
+    from .mesh import MeshSpec
+
+    MeshSpec.of(args.mesh)
+    hw = load_hardware(args.hardware)
+    if getattr(args, "budget", None) is not None:
+        resolve_budget(args.budget, hw)
+    for flag in ("out", "json"):
+        if getattr(args, flag, None):
+            _check_writable(getattr(args, flag), f"--{flag}")
+
+
+def _check_writable(path_text: str, flag: str) -> None:
+    """ArgumentError unless ``path_text`` names a file that can be created in an existing folder."""
+    import os
+    from pathlib import Path
+
+    from .api import ArgumentError
+
+    path = Path(path_text)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ArgumentError(f"{flag} {path_text} is a directory; name a file, e.g. {path / 'plan.json'}")
+    if not folder.is_dir():
+        raise ArgumentError(f"{flag} {path_text}: folder '{folder}' does not exist; create it first "
+                            f"(mkdir -p {folder}) or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise ArgumentError(f"{flag} {path_text}: folder '{folder}' is not writable; write elsewhere")
+
+
+def _node(table, name: str):
+    """The strategies of node ``name``; ArgumentError with the closest names otherwise."""
+    import difflib
+
+    from .api import ArgumentError
+
+    names = [ns.node for ns in table]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"the graph's nodes start {', '.join(names[:5])}"
+        raise ArgumentError(f"--node {name!r} is not a node of the graph; {hint} (`autoshard enumerate ... --json "
+                            f"out.json` lists them all)")
+    return table[name]
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -126,10 +179,60 @@ def _profile(args: argparse.Namespace) -> int:
     return run_profile(args) or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit status 2, as for every user error)."""
+
+    def error(self, message: str) -> "typing.NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least_1(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _gap(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a relative gap in [0, 1), e.g. 0.01, got {text}")
+    return value
+
+
+def _float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .enumerate import OUTPUT_MODES
 
-    p = argparse.ArgumentParser(prog="autoshard", description=__doc__)
+    p = _Parser(prog="autoshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     ops = sub.add_parser("ops", help="list supported ops and their per-axis sharding rules")
@@ -137,9 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("model", help="preset (see autoshard.models.list_models()) or path/to/file.py:factory")
-        sp.add_argument("--batch", type=int, default=None)
-        sp.add_argument("--seq", type=int, default=None)
-        sp.add_argument("--layers", type=int, default=None, help="override the number of layers")
+        sp.add_argument("--batch", type=_int_at_least_1, default=None)
+        sp.add_argument("--seq", type=_int_at_least_1, default=None)
+        sp.add_argument("--layers", type=_int_at_least_1, default=None, help="override the number of layers")
 
     def explain_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--full", action="store_true", help="list every node (no grouping of identical blocks)")
@@ -165,11 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", default=None,
                     help="memory budget per device, e.g. 40GiB (default: the profile's memory per device)")
     pl.add_argument("--out", default=None, help="write the plan to this JSON file")
-    pl.add_argument("--optimizer-bytes", type=float, default=8.0,
+    pl.add_argument("--optimizer-bytes", type=_non_negative, default=8.0,
                     help="optimizer state bytes per parameter element (AdamW fp32: 8)")
     pl.add_argument("--solver", choices=["highs", "cbc"], default="highs")
-    pl.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
-    pl.add_argument("--gap", type=float, default=0.0, help="relative optimality gap the ILP may stop at")
+    pl.add_argument("--time-limit", type=_seconds, default=60.0, help="ILP time limit in seconds")
+    pl.add_argument("--gap", type=_gap, default=0.0, help="relative optimality gap the ILP may stop at")
     pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
     pl.add_argument("--fallback", choices=["error", "replicate"], default="error")
@@ -196,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by the user's input: reported in one line, exit code 2, no traceback."""
-    from .api import BudgetError
+    from .api import ArgumentError, BudgetError
     from .capture import CaptureError
     from .enumerate import UnsupportedOpError
     from .hardware import HardwareError
@@ -204,13 +307,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .models import ModelZooError
     from .plans import PlanError
     from .solver.ilp import InfeasibleBudgetError
+    from .specs import SpecError
 
-    return (BudgetError, CaptureError, HardwareError, InfeasibleBudgetError, MeshError, ModelZooError,
-            PlanError, UnsupportedOpError)
+    return (ArgumentError, BudgetError, CaptureError, HardwareError, InfeasibleBudgetError, MeshError,
+            ModelZooError, PlanError, SpecError, UnsupportedOpError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; returns the exit status (2 for every user error, reported in one line)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:          # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.fn(args)
     except _user_errors() as e:

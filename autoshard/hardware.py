@@ -141,29 +141,79 @@ class HardwareProfile:
         return None if self.optimizer is None else self.optimizer.seconds(n_tensors, nbytes)
 
     # -- io ------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        """The schema every profile meets, however it was made (from YAML, by ``autoshard profile``
+        or in Python): numbers finite and positive, each with its unit in the error."""
+        where = {"name": self.name}
+        if not isinstance(self.name, str) or not self.name:
+            raise HardwareError(f"hardware profile name must be a non-empty string, got {self.name!r}")
+        if len(self.axes) != 2 or not all(isinstance(a, LinkModel) for a in self.axes):
+            raise HardwareError(f"hardware profile {self.name!r} must have exactly 2 mesh axes, each "
+                                f"{{alpha: seconds, beta: seconds per byte}}, got {self.axes!r}")
+        for i, a in enumerate(self.axes):
+            _number(where, f"axes[{i}].alpha", a.alpha, "seconds of latency per ring step", zero=True)
+            _number(where, f"axes[{i}].beta", a.beta, "seconds per byte, the inverse of the link bandwidth")
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise HardwareError(f"hardware profile {self.name!r}: peak_flops must map dtype names to FLOP/s, "
+                                f"e.g. {{float32: 6.7e13}}, got {self.peak_flops!r}")
+        for dtype, flops in self.peak_flops.items():
+            _number(where, f"peak_flops.{dtype}", flops, "FLOP/s")
+        _number(where, "memory_bandwidth", self.memory_bandwidth, "bytes/s")
+        _number(where, "memory_per_device", self.memory_per_device, "bytes")
+        _number(where, "host_device_bandwidth", self.host_device_bandwidth, "bytes/s")
+        if self.overlap is not None:
+            _number(where, "overlap", self.overlap, "fraction of an all-reduce hidden behind compute",
+                    high=1.0, zero=True)
+
     @staticmethod
     def from_dict(d: Mapping) -> "HardwareProfile":
+        """A profile from its plain form (a YAML document); :class:`HardwareError` naming the field,
+        what it must be and its unit otherwise."""
+        if not isinstance(d, Mapping):
+            raise HardwareError(f"a hardware profile must be a mapping of fields (name, axes, peak_flops, "
+                                f"memory_bandwidth, memory_per_device, host_device_bandwidth), got "
+                                f"{type(d).__name__}; see configs/hardware/h100-nvlink.yaml for the format")
         try:
+            name = d["name"]
+            if not isinstance(name, str) or not name:
+                raise HardwareError(f"hardware profile name must be a non-empty string, got {name!r}")
             axes = d["axes"]
-            if len(axes) != 2:
-                raise HardwareError(f"profile {d.get('name')!r} must list exactly 2 mesh axes, got {len(axes)}")
+            if not isinstance(axes, Sequence) or isinstance(axes, str) or len(axes) != 2:
+                raise HardwareError(f"hardware profile {name!r} must list exactly 2 mesh axes, each "
+                                    f"{{alpha: seconds, beta: seconds per byte}}, got {axes!r}")
+            links = []
+            for i, a in enumerate(axes):
+                link = _section(d, f"axes[{i}]", {"alpha": "seconds", "beta": "seconds per byte"}, value=a)
+                if link is None:
+                    raise HardwareError(f"hardware profile {name!r}: axes[{i}] must be {{alpha: seconds, beta: "
+                                        f"seconds per byte}}, got null")
+                links.append(LinkModel(_number(d, f"axes[{i}].alpha", link["alpha"], "seconds", zero=True),
+                                       _number(d, f"axes[{i}].beta", link["beta"], "seconds per byte")))
+            flops = d["peak_flops"]
+            if not isinstance(flops, Mapping) or not flops:
+                raise HardwareError(f"hardware profile {name!r}: peak_flops must map dtype names to FLOP/s, "
+                                    f"e.g. {{float32: 6.7e13}}, got {flops!r}")
+            extra = d.get("extra", {}) or {}
+            if not isinstance(extra, Mapping):
+                raise HardwareError(f"hardware profile {name!r}: extra must be a mapping, got {extra!r}")
             return HardwareProfile(
-                name=str(d["name"]),
-                axes=tuple(LinkModel(float(a["alpha"]), float(a["beta"])) for a in axes),  # type: ignore[arg-type]
-                peak_flops={str(k): float(v) for k, v in d["peak_flops"].items()},
-                memory_bandwidth=float(d["memory_bandwidth"]),
-                memory_per_device=parse_bytes(d["memory_per_device"]),
-                host_device_bandwidth=float(d["host_device_bandwidth"]),
-                description=str(d.get("description", "")),
+                name=name,
+                axes=tuple(links),  # type: ignore[arg-type]
+                peak_flops={str(k): _number(d, f"peak_flops.{k}", v, "FLOP/s") for k, v in flops.items()},
+                memory_bandwidth=_number(d, "memory_bandwidth", d["memory_bandwidth"], "bytes/s"),
+                memory_per_device=_size(d, "memory_per_device", d["memory_per_device"]),
+                host_device_bandwidth=_number(d, "host_device_bandwidth", d["host_device_bandwidth"], "bytes/s"),
+                description=str(d.get("description", "") or ""),
                 device_memory_separate=_flag(d, "device_memory_separate", True),
-                extra=dict(d.get("extra", {})),
+                extra=dict(extra),
                 compute=_compute(d),
                 optimizer=_optimizer(d),
                 overlap=_overlap(d),
                 world=_world(d),
             )
         except KeyError as e:
-            raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}") from None
+            raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}; see "
+                                f"configs/hardware/h100-nvlink.yaml for the format") from None
 
     def to_dict(self) -> dict:
         return {
@@ -199,9 +249,10 @@ def _flag(d: Mapping, key: str, default: bool) -> bool:
 
 
 # -- validation of the measured fields --------------------------------------------------------------
-def _section(d: Mapping, key: str, units: Mapping[str, str]) -> Mapping | None:
-    """The optional mapping ``d[key]`` with exactly the keys of ``units`` (key -> unit), or None."""
-    value = d.get(key)
+def _section(d: Mapping, key: str, units: Mapping[str, str], *, value: Any = None) -> Mapping | None:
+    """The optional mapping ``d[key]`` (or ``value``) with exactly the keys of ``units`` (key -> unit),
+    or None."""
+    value = d.get(key) if value is None else value
     if value is None:
         return None
     if not isinstance(value, Mapping) or set(value) != set(units):
@@ -234,6 +285,21 @@ def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, 
         raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} must be {bound} "
                             f"({unit}), got {value!r}")
     return x
+
+
+def _size(d: Mapping, where: str, value: Any) -> int:
+    """A byte count or a size such as ``80GiB``, positive."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError(f"{value!r} is a bool")
+        n = parse_bytes(value)
+    except (TypeError, ValueError) as e:
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} must be a size in bytes such as "
+                            f"80GiB or 85899345920 ({e})") from None
+    if n <= 0:
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} must be a positive size in bytes "
+                            f"such as 80GiB, got {value!r}")
+    return n
 
 
 def _points(d: Mapping, where: str, value: Any, unit: str) -> tuple[float, ...]:
@@ -308,18 +374,50 @@ def available_profiles() -> list[str]:
 
 
 def load_hardware(spec: "str | Path | HardwareProfile | Mapping") -> HardwareProfile:
-    """A profile by name (``h100-nvlink``), by YAML path, or passed through."""
+    """A profile by name (``h100-nvlink``), by YAML path, or passed through (a profile or a mapping).
+
+    Raises :class:`HardwareError` for anything else, an unknown name, a file that is not a readable
+    YAML mapping, or a profile that breaks the schema (see :meth:`HardwareProfile.from_dict`)."""
     if isinstance(spec, HardwareProfile):
         return spec
     if isinstance(spec, Mapping):
         return HardwareProfile.from_dict(spec)
+    if not isinstance(spec, (str, Path)) or (isinstance(spec, str) and not spec.strip()):
+        raise HardwareError(
+            f"hardware must be a profile name ({', '.join(available_profiles())}), a path to a YAML profile, a "
+            f"HardwareProfile or a mapping, got {spec!r} ({type(spec).__name__})")
     path = Path(spec)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return HardwareProfile.from_dict(yaml.safe_load(path.read_text()))
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        return _read_profile(path)
     for d in (CONFIG_DIR, PACKAGED_DIR):
         candidate = d / f"{spec}.yaml"
         if candidate.is_file():
-            return HardwareProfile.from_dict(yaml.safe_load(candidate.read_text()))
+            return _read_profile(candidate)
     raise HardwareError(
         f"unknown hardware profile {str(spec)!r}; known profiles: {', '.join(available_profiles()) or 'none'}. "
         "Pass a name from configs/hardware/, a path to a YAML profile, or measure one with `autoshard profile`.")
+
+
+_MAX_PROFILE_BYTES = 16 * 2**20
+
+
+def _read_profile(path: Path) -> HardwareProfile:
+    """A profile from a YAML file: a regular file of bounded size holding one YAML mapping (read with
+    ``yaml.safe_load``: no code runs)."""
+    if not path.is_file():
+        raise HardwareError(f"hardware profile file '{path}' does not exist or is not a regular file; pass a "
+                            f"profile name ({', '.join(available_profiles())}) or the path of a YAML profile")
+    size = path.stat().st_size
+    if size > _MAX_PROFILE_BYTES:
+        raise HardwareError(f"hardware profile file '{path}' is {size} bytes, more than a profile can be "
+                            f"({_MAX_PROFILE_BYTES} bytes); pass the YAML file `autoshard profile` wrote")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        reason = " ".join(str(e).split())
+        raise HardwareError(f"hardware profile file '{path}' is not readable YAML ({reason}); fix the file or "
+                            f"re-measure it with `autoshard profile`") from None
+    if not isinstance(data, Mapping):
+        raise HardwareError(f"hardware profile file '{path}' holds {type(data).__name__}, not a mapping of "
+                            f"profile fields; see configs/hardware/h100-nvlink.yaml for the format")
+    return HardwareProfile.from_dict(data)

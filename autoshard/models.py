@@ -281,9 +281,10 @@ def build_model(name: str, *, device: "str | torch.device | None" = None, batch:
     if preset is None:
         raise ModelZooError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}, "
                             "or 'path/to/file.py:factory'")
-    for label, value in (("batch", batch), ("seq", seq)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ModelZooError(f"{label} must be a positive int, got {value!r}")
+    for label, value in (("batch", batch), ("seq", seq), ("num_layers", overrides.get("num_layers"))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelZooError(f"{label} must be an int >= 1, got {value!r}"
+                                + ("; a model needs at least one layer (--layers 1)" if label == "num_layers" else ""))
     if seq is not None and preset.seq is None:
         raise ModelZooError(f"preset {name!r} has no sequence dim; drop seq= (use features=)")
     dev = torch.device(device if device is not None else "meta")
@@ -300,17 +301,27 @@ def _build_from_file(spec: str, **options: Any) -> Built:
     if module_spec is None or module_spec.loader is None:
         raise ModelZooError(f"cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ModelZooError(f"model file {path} has a syntax error at line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:  # the user's module failed to import: report it as theirs, with the cause
+        raise ModelZooError(f"model file {path} failed to import: {type(e).__name__}: {e}; fix the file "
+                            f"(run `python {path}` to see the traceback)") from e
     factory = getattr(module, factory_name, None)
     if not callable(factory):
-        raise ModelZooError(f"{path} has no callable {factory_name!r}")
+        known = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise ModelZooError(f"{path} has no callable {factory_name!r}; it defines {', '.join(known) or 'none'}")
     kwargs = {k: v for k, v in options.items() if v is not None}
     try:
         result = factory(**kwargs)
     except TypeError as e:
         if kwargs and "argument" in str(e):
             raise ModelZooError(f"{spec} does not accept {sorted(kwargs)}: {e}") from e
-        raise
+        raise ModelZooError(f"{spec} raised TypeError: {e}; fix the factory") from e
+    except Exception as e:  # the factory is user code: its failure is reported as the user's, with the cause
+        raise ModelZooError(f"{spec} raised {type(e).__name__}: {e}; fix the factory") from e
     return _normalise_factory_result(spec, result)
 
 
@@ -322,5 +333,8 @@ def _normalise_factory_result(spec: str, result: Any) -> Built:
     kwargs = rest[0] if rest else {}
     if not isinstance(model, nn.Module):
         raise ModelZooError(f"{spec} returned a {type(model).__name__} where an nn.Module belongs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ModelZooError(f"{spec} returned kwargs of type {type(kwargs).__name__}; return a dict of keyword "
+                            f"inputs as the third element")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     return model, args, dict(kwargs or {})

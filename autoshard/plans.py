@@ -245,6 +245,14 @@ class Plan:
     inputs: dict[str, Any] | None = None
     recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
     outputs: str = "global"
+    training: bool = True
+    other_mode: "Plan | None" = None
+
+    # ``training``: the mode the model was captured in (its graph is ``nodes``); plans written before
+    # the field existed read as training. ``other_mode``: the plan of the model's graph in the other
+    # mode (eval for a training plan), parameters laid out as here (see :mod:`autoshard.modes`); None
+    # when the model's graph is the same in both modes or the plan was made from a captured graph
+    # (then :func:`autoshard.parallelize` derives it when the model is switched).
 
     # ``inputs``: the call signature the graph was captured with (``in_spec``: the pytree spec of
     # ``(args, kwargs)`` as ``treespec_dumps`` writes it; ``leaves``: per leaf ``{"shape", "dtype"}``
@@ -326,6 +334,12 @@ class Plan:
     def save(self, path: "str | os.PathLike[str]") -> Path:
         """Write the plan as JSON (atomically: a crash leaves the old file or the new one)."""
         path = Path(path)
+        if path.is_dir():
+            raise PlanError(f"cannot write the plan to '{path}': it is a directory; name a file, e.g. "
+                            f"'{path / 'plan.json'}'")
+        if not path.parent.is_dir():
+            raise PlanError(f"cannot write the plan to '{path}': folder '{path.parent}' does not exist; create it "
+                            f"first or save elsewhere")
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         os.replace(tmp, path)
@@ -336,23 +350,28 @@ class Plan:
         """Read a plan saved by :meth:`save`. Raises :class:`PlanError` for a missing, corrupt,
         truncated or foreign file, and, when ``graph`` is given, :class:`PlanMismatchError` if the
         plan was made for another model."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"a plan path must be a str or a path, got {type(path).__name__}; pass the file "
+                            f"Plan.save or `autoshard plan --out` wrote")
         path = Path(path)
+        text = _read_plan_text(path)
         try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}") from None
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file '{path}' is not valid JSON ({e}); it is corrupt or truncated. "
+            data = json.loads(text, parse_constant=_no_constant)
+        except (json.JSONDecodeError, RecursionError, ValueError) as e:
+            raise PlanError(f"plan file '{path}' is not valid JSON ({str(e)[:200]}); it is corrupt or truncated. "
                             f"{_REPLAN} (`autoshard plan ... --out {path}`).") from None
         plan = cls.from_dict(data, source=f"plan file '{path}'")
+        from .capture import CapturedGraph
+
+        if graph is not None and not isinstance(graph, CapturedGraph):
+            raise TypeError(f"graph must be a CapturedGraph (autoshard.capture(model, args)), got {type(graph).__name__}")
         if graph is not None:
             plan.check(graph)
         return plan
 
     def check(self, graph: "CapturedGraph") -> None:
-        """Raise :class:`PlanMismatchError` unless ``graph`` is the graph this plan was made for."""
+        """Raise :class:`PlanMismatchError` unless ``graph`` is the graph this plan was made for, and
+        :class:`PlanError` when the plan's nodes or resharded tensors disagree with it."""
         theirs = graph.fingerprint()
         if theirs != self.fingerprint:
             raise PlanMismatchError(
@@ -360,6 +379,9 @@ class Plan:
                 f"but the given model '{graph.name}' has graph fingerprint {theirs}: the model, its input "
                 "shapes or dtypes differ. Re-plan for this model (autoshard.plan(model, inputs, ...) or "
                 "`autoshard plan`).")
+        from .plan_validation import check_against_graph
+
+        check_against_graph(self, graph)
 
     def _validate(self, source: str) -> None:
         """Cross-field checks the type check cannot do (specs parse, profile loads, mesh is 2D)."""
@@ -387,6 +409,32 @@ class Plan:
         if unknown:
             raise PlanError(f"{source}: 'recompute_runs' names node(s) {unknown[:3]} the plan does not have. "
                             f"{_REPLAN}.")
+        unknown = [seg for seg in self.segments if seg not in {n.segment for n in self.nodes.values()}]
+        if unknown:
+            raise PlanError(f"{source}: 'segments' names segment(s) {unknown[:3]} no node belongs to. {_REPLAN}.")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise PlanError(f"{source}: 'memory_budget' must be positive or null, got {self.memory_budget}. "
+                            f"{_REPLAN}.")
+        from .plan_validation import check_consistency
+
+        check_consistency(self, source)
+        if self.other_mode is not None:
+            self._validate_other_mode(source)
+
+    def _validate_other_mode(self, source: str) -> None:
+        other = self.other_mode
+        assert other is not None
+        where = f"{source}: its other-mode plan"
+        if other.training == self.training or other.other_mode is not None or other.mesh_shape != self.mesh_shape:
+            raise PlanError(f"{where} must be for the other mode ({'eval' if self.training else 'training'}) on the "
+                            f"same mesh, with no other mode of its own. {_REPLAN}.")
+        other._validate(where)
+        from .modes import ModeError, check_layouts_agree
+
+        try:
+            check_layouts_agree(self, other)
+        except ModeError as e:
+            raise PlanError(f"{where}: {e}") from None
 
     def memory_regions(self) -> dict[str, tuple[str, str]]:
         """Graph node -> (region, decision) for every node whose saved activations the plan does not
@@ -427,14 +475,18 @@ class Plan:
         """The explanation as a rich renderable (what :meth:`explain` renders)."""
         return _renderable(self, full)
 
-    def explain(self, plain: bool = False, full: bool = False, width: int = 160) -> str:
+    def explain(self, plain: bool | None = None, full: bool = False, width: int = 160, *,
+                color: bool = False) -> str:
         """A human-readable account of the plan: a summary and a per-node table.
 
         Repeated blocks with identical decisions are shown once ('model.layers.1-31: same as
-        model.layers.0') unless ``full``. ``plain`` gives ASCII text without colour codes;
-        otherwise rich tables (with ANSI styles) rendered to text.
+        model.layers.0') unless ``full``. Plain ASCII text without escape codes (safe to print, log or
+        write to a file) unless ``color=True`` asks for rich tables with ANSI colours, ``width``
+        columns wide. ``plain=False`` is the older spelling of ``color=True``.
         """
-        if plain:
+        if plain is not None and not isinstance(plain, bool):
+            raise TypeError(f"plain must be True, False or None, got {plain!r}")
+        if not (color or plain is False):
             return _plain_text(self, full)
         from rich.console import Console
 
@@ -448,6 +500,52 @@ class Plan:
 
 
 _REPLAN = "Re-create the plan"
+
+MAX_PLAN_BYTES = 1 << 30
+"""The largest plan file :meth:`Plan.load` reads (a 70B model's plan is a few MiB)."""
+
+_PICKLE = (b"\x80",)           # pickle protocols 2+ start with PROTO (0x80)
+
+
+def _read_plan_text(path: Path) -> str:
+    """The text of a plan file: a regular file (not a device such as /dev/zero, a directory or a
+    pipe), at most :data:`MAX_PLAN_BYTES`, UTF-8; never unpickled or executed."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}; pass the JSON file "
+                        f"`autoshard plan --out` or Plan.save wrote") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PlanError(f"plan path '{path}' is not a regular file (a directory, device or pipe); pass the JSON "
+                        f"file `autoshard plan --out` or Plan.save wrote")
+    if st.st_size > MAX_PLAN_BYTES:
+        raise PlanError(f"plan file '{path}' is {format_bytes(st.st_size)}, more than a plan can be "
+                        f"({format_bytes(MAX_PLAN_BYTES)}); pass the JSON file `autoshard plan --out` wrote")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"cannot read plan file '{path}': {e.strerror or e}") from None
+    if raw.startswith(_PICKLE):
+        raise PlanError(f"plan file '{path}' is a Python pickle, not a JSON plan; autoshard never unpickles plans. "
+                        f"{_REPLAN} (`autoshard plan ... --out {path}`).")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanError(f"plan file '{path}' is binary, not a JSON plan (not UTF-8 text); it is corrupt or another "
+                        f"kind of file. {_REPLAN} (`autoshard plan ... --out {path}`).") from None
+
+
+def _no_constant(name: str) -> Any:
+    """JSON's non-standard constants: Infinity is a number a plan may hold (an unbounded solver gap),
+    NaN is not."""
+    if name == "Infinity":
+        return math.inf
+    if name == "-Infinity":
+        return -math.inf
+    raise ValueError(f"{name} is not a number a plan can hold")
 
 
 # -- building entries ----------------------------------------------------------------------------------
@@ -895,6 +993,11 @@ def _summary_lines(plan: Plan) -> list[str]:
     ]
     if s.note:
         lines.append(f"plan picked: {s.note}")
+    mode, other = ("training", "eval") if plan.training else ("eval", "training")
+    lines.append(f"modes: planned in {mode} mode; " + (
+        f"{other} mode planned too ({len(plan.other_mode.nodes)} nodes, parameters laid out alike)"
+        if plan.other_mode is not None else f"{other} mode derived when the model is switched (same graph, or "
+        f"planned from a captured graph)"))
     if plan.timings:
         lines.append("planning time: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f} s" for k, v in plan.timings.items()))

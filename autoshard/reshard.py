@@ -29,12 +29,13 @@ gives an all-pairs table, which is cached; later queries are dictionary lookups.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Collective, collective_cost
-from .hardware import HardwareProfile
+from .hardware import HardwareProfile, LinkModel
 from .specs import ShardSpec, SpecError, all_specs
 from .units import format_bytes
 
@@ -230,6 +231,37 @@ def _dijkstra(src: int, edges: list[list[tuple[int, ReshardStep]]]
 # costs. A plain dict, not lru_cache, because HardwareProfile holds dicts and is unhashable; the
 # fast path must stay a single tuple lookup (the cost graph asks for millions of pairs).
 _TABLES: dict[tuple, ReshardTable] = {}
+
+
+def replay_moves(src: "ShardSpec | str", moves: Sequence[tuple[str, int, Sequence[int]]], shape: Sequence[int],
+                 mesh_shape: Sequence[int]) -> ShardSpec:
+    """The spec ``moves`` (each ``(kind, axis, dims)``, as :class:`ReshardStep` has them) turn ``src``
+    into, applying each as the resharding search defines it; :class:`ReshardError` naming the first
+    move that is not valid from the spec it is applied to (an unknown kind, an axis the mesh lacks,
+    a dim the move cannot take, a layout the shape does not divide)."""
+    p = _problem(shape, 1, mesh_shape, _replay_profile())
+    spec = _spec(src)
+    if not spec.fits(p.shape, p.mesh_shape):
+        raise ReshardError(f"spec {spec} does not fit shape {list(p.shape)} on mesh {list(p.mesh_shape)}")
+    for i, (kind, axis, dims) in enumerate(moves):
+        if kind not in MOVE_KINDS:
+            raise ReshardError(f"move {i} is {kind!r}, not one of {', '.join(MOVE_KINDS)}")
+        found = [m for m in _moves(spec, p) if m.kind == kind and m.axis == axis and m.dims == tuple(dims)]
+        if not found or not found[0].after.fits(p.shape, p.mesh_shape):
+            valid = ", ".join(f"{m.kind}(axis={m.axis}, dims={list(m.dims)})" for m in _moves(spec, p)
+                              if m.after.fits(p.shape, p.mesh_shape))
+            raise ReshardError(f"move {i} {kind}(axis={axis}, dims={list(dims)}) cannot be applied to {spec} "
+                               f"(shape {list(p.shape)}, mesh {list(p.mesh_shape)}); valid moves from there: {valid}")
+        spec = found[0].after
+    return spec
+
+
+@functools.lru_cache(maxsize=1)
+def _replay_profile() -> HardwareProfile:
+    """A stand-in profile for :func:`replay_moves`, which needs the moves, not their costs."""
+    link = LinkModel(1e-6, 1e-9)
+    return HardwareProfile(name="replay", axes=(link, link), peak_flops={"float32": 1e12}, memory_bandwidth=1e12,
+                           memory_per_device=2**40, host_device_bandwidth=1e10)
 
 
 def clear_reshard_cache() -> None:

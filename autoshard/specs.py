@@ -17,6 +17,9 @@ from typing import Iterable, Sequence
 
 DimSharding = tuple[int, ...]
 
+MESH_AXES = 2
+"""Every mesh is 2D (a 1D mesh of n devices is (1, n)): specs name mesh axes 0 and 1 only."""
+
 _TOKEN = re.compile(r"R|S(\d+)")
 
 
@@ -33,6 +36,11 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         used = [a for d in self.dims for a in d] + list(self.partial)
+        bad = [a for a in used if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < MESH_AXES]
+        if bad:
+            raise SpecError(f"spec {self._fmt_compact()} names mesh axis {bad[0]!r}, but the mesh has axes 0 and 1 "
+                            f"only (a 1D mesh is (1, n)); write each dim as R, S0, S1 or S01 and partial axes as "
+                            f"+P0, +P1 or +P01")
         if len(used) != len(set(used)):
             raise SpecError(f"mesh axis used twice in spec {self._fmt_compact()}")
         for d in self.dims:
@@ -49,6 +57,8 @@ class ShardSpec:
     @staticmethod
     def parse(text: str) -> "ShardSpec":
         """Parse ``[S0, R, S1]``, ``S0RS1`` or either followed by ``+P<axes>``."""
+        if not isinstance(text, str):
+            raise SpecError(f"a spec is a string such as 'S0R' or '[S0, R]', got {text!r} ({type(text).__name__})")
         body, _, part = text.strip().partition("+")
         partial: tuple[int, ...] = ()
         if part:

@@ -478,7 +478,7 @@ def test_zoo_errors():
         build_model("mlp", width=8)
     with pytest.raises(ModelZooError, match="no sequence dim"):
         build_model("mlp", seq=8)
-    with pytest.raises(ModelZooError, match="positive int"):
+    with pytest.raises(ModelZooError, match="int >= 1"):
         build_model("cnn", batch=0)
 
 

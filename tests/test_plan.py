@@ -41,7 +41,7 @@ def gpt2() -> CapturedGraph:
 @functools.lru_cache(maxsize=None)
 def planned(name: str, mesh: tuple[int, int] = (2, 2)) -> Plan:
     graph = gpt2() if name == "gpt2-tiny" else graph_of(name)
-    return autoshard.plan(graph, mesh=mesh, hardware=HW, memory_budget="40GiB", name=name)
+    return autoshard.plan(graph, mesh=mesh, hardware=HW, memory_budget="4GiB", name=name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,9 +93,9 @@ def test_plan_records_every_graph_node_with_parseable_specs(name: str, mesh: tup
     assert list(plan.nodes) == [n.name for n in graph.graph.nodes]
     assert plan.format_version == PLAN_FORMAT_VERSION and plan.autoshard_version == autoshard.__version__
     assert plan.fingerprint == graph.fingerprint() and plan.model_name == name
-    assert plan.mesh_shape == list(mesh) and plan.memory_budget == 40 * 2**30
+    assert plan.mesh_shape == list(mesh) and plan.memory_budget == 4 * 2**30
     assert plan.hardware == load_hardware(HW).to_dict()
-    assert plan.solver_options["solver"] == "highs" and plan.solver_options["memory_budget"] == 40 * 2**30
+    assert plan.solver_options["solver"] == "highs" and plan.solver_options["memory_budget"] == 4 * 2**30
     assert set(plan.timings) == {"capture_s", "enumerate_s", "costgraph_s", "build_s", "solve_s"}
     for entry in plan.nodes.values():
         for spec in entry.inputs + [s for s in entry.outputs if s is not None]:
@@ -305,10 +305,11 @@ def test_default_budget_is_the_profiles_memory() -> None:
 def test_explain_summary_and_plain_mode() -> None:
     plan = planned("gpt2-tiny")
     plain = plan.explain(plain=True)
-    rich = plan.explain()
+    rich = plan.explain(color=True)
+    assert plan.explain() == plain                                 # plain unless colour is asked for
     for text in (plain, rich):
         for needle in ("autoshard plan for gpt2-tiny", "mesh 2x2 (4 devices)", "hardware cpu-gloo",
-                       "memory budget 40.00 GiB per device", "predicted peak memory per device",
+                       "memory budget 4.00 GiB per device", "predicted peak memory per device",
                        "modeled step time", "solver: highs", "per-node decisions"):
             assert needle in text, needle
     assert "\x1b[" not in plain and "\x1b[" in rich
@@ -360,14 +361,14 @@ def test_strategy_of() -> None:
 def test_cli_plan_and_explain(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "gpt2-tiny", "--mesh", "2x2", "--batch", "4", "--hardware", HW,
-                   "--budget", "40GiB", "--out", str(out), "--plain"])
+                   "--budget", "4GiB", "--out", str(out), "--plain"])
     captured = capsys.readouterr()
     assert rc == 0
     assert "autoshard plan for gpt2-tiny" in captured.out and "modeled step time" in captured.out
     assert "\x1b[" not in captured.out
     assert "solving the ILP" in captured.err                       # progress on stderr
     plan = Plan.load(out)
-    assert plan.mesh_shape == [2, 2] and plan.memory_budget == 40 * 2**30 and plan.model_name == "gpt2-tiny"
+    assert plan.mesh_shape == [2, 2] and plan.memory_budget == 4 * 2**30 and plan.model_name == "gpt2-tiny"
 
     assert cli.main(["explain", str(out), "--plain"]) == 0
     text = capsys.readouterr().out

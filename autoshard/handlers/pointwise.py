@@ -5,9 +5,12 @@ dim may be sharded, together with the matching (right-aligned) dim of every oper
 and does not broadcast along it; broadcast (size-1) dims and 0-dim operands stay replicated on
 that axis, so their gradients come out as partial sums that the framework all-reduces.
 
-Dropout offers the same options. Sharded dropout draws its mask per device, so it equals the
-single-device op in distribution only; it is bitwise identical only when ``p == 0`` or
-``train=False`` (which is what the simulated checks use).
+Dropout offers the same options and draws its mask coordinated (:func:`coordinated_dropout`): every
+device draws the mask of the whole tensor, exactly as the single-device op does, and keeps its
+block, so a sharded run equals one device bit for bit when every rank starts from the same RNG
+state (:func:`autoshard.parallelize` checks that on the first step), and the ranks' RNG states stay
+equal. The price is one full-size mask drawn per device (transient; what is saved for backward is
+the local block).
 
 Inputs are never partial: an op linear in a partial input (add, neg, mul by a replicated factor)
 could take one, but partial outputs are resolved in the node that produces them, so no option here
@@ -21,12 +24,13 @@ import torch
 
 from ..enumerate import UnsupportedOpError
 from ..opinfo import OpInfo
-from ..strategy import AxisOption
-from .registry import register
+from ..comm_api import DeviceComm
+from ..strategy import AxisOption, Strategy
+from .registry import LocalKernel, default_kernel, register
 
 aten = torch.ops.aten
 
-__all__ = ["broadcast_rules", "broadcast_dim", "POINTWISE_OPS", "DROPOUT_OPS"]
+__all__ = ["broadcast_rules", "broadcast_dim", "coordinated_dropout", "POINTWISE_OPS", "DROPOUT_OPS"]
 
 
 def broadcast_dim(shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> int | None:
@@ -91,9 +95,47 @@ register(*POINTWISE_OPS, family="pointwise",
          doc="elementwise: shard any output dim with the operands that carry it (broadcast dims replicated)"
          )(broadcast_rules)
 
-register(*DROPOUT_OPS, family="pointwise",
-         doc="dropout: shard any dim; matches single-device numerics only with p=0 or train=False "
-             "(per-device masks otherwise: equal in distribution)")(broadcast_rules)
+def coordinated_dropout(input: torch.Tensor, p: float, train: "bool | None", *, op: str,
+                        global_shape: Sequence[int], dims: tuple[tuple[int, ...], ...],
+                        comm: DeviceComm) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    """Dropout of this device's block of a tensor of ``global_shape`` (dim ``d`` split over mesh axes
+    ``dims[d]``), with the mask the single-device op would draw: the op runs on a global tensor of
+    ones (same RNG draws, same kernel), and this device multiplies its block by its block of the
+    result. ``op``: ``'dropout'`` (returns the output) or ``'native_dropout'`` (output and mask)."""
+    import math
+
+    ones = torch.ones(global_shape, dtype=input.dtype, device=input.device)
+    if op == "native_dropout":
+        noise, mask = aten.native_dropout.default(ones, p, train)
+    else:
+        noise, mask = aten.dropout.default(ones, p, bool(train)), None
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        for d, axes in enumerate(dims):
+            if axes:
+                t = t.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]  # type: ignore[attr-defined]
+        return t.clone()           # its own storage: the global mask is freed, only the block is saved
+
+    out = input * block(noise)
+    return out if mask is None else (out, block(mask))
+
+
+def dropout_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """Random dropout on a sharded tensor draws the global mask (:func:`coordinated_dropout`); dropout
+    that draws nothing (eval, p = 0) or on a whole tensor is the op itself."""
+    p, train = float(op.arg(1, "p")), op.arg(2, "train")
+    spec = strategy.output_specs[0]
+    if train is False or p == 0.0 or spec is None or not any(spec.dims):
+        return default_kernel(op, strategy)
+    name = "native_dropout" if op.target is aten.native_dropout.default else "dropout"
+    return LocalKernel(coordinated_dropout, (op.node.args[0], p, train),
+                       {"op": name, "global_shape": tuple(op.outputs[0].shape), "dims": spec.dims},
+                       uses_comm=True)
+
+
+register(*DROPOUT_OPS, family="pointwise", kernel=dropout_kernel,
+         doc="dropout: shard any dim; the mask is drawn for the whole tensor on every device and each keeps "
+             "its block (equal to one device given equal RNG states)")(broadcast_rules)
 
 
 @register(aten.add_.Tensor, family="pointwise",

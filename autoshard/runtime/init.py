@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Sequence
 
@@ -28,7 +29,13 @@ def init_mesh(shape: "MeshSpec | Sequence[int] | str | int", *, backend: str | N
 
     mesh = MeshSpec.of(shape)
     if not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+            raise MeshError(f"timeout must be a datetime.timedelta or a finite number of seconds, got {timeout!r}")
         timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise MeshError(f"timeout must be positive (it bounds every collective), got {timeout}")
+    if backend not in (None, "nccl", "gloo"):
+        raise MeshError(f"backend must be 'nccl', 'gloo' or None (NCCL when CUDA is available), got {backend!r}")
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise MeshError("init_mesh needs a distributed launch: run the script with "

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
+import logging
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -21,13 +24,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..capture import CapturedGraph, capture
+from ..capture import CapturedGraph, TensorMeta, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, shard_input
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
+from .replicas import INPUT_CHECKS, REPLICA_MODES, agree_on_step, agree_on_tensors, random_nodes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ParallelModule", "PlanDisagreementError", "capture_meta", "example_inputs", "parallelize"]
 
@@ -38,7 +45,8 @@ class PlanDisagreementError(PlanError):
 
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
                 input_mode: str = "global", checkpoint: str | None = None,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None) -> "ParallelModule":
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None,
+                replicas: str = "check", check_inputs: str = "first") -> "ParallelModule":
     """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
 
     ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
@@ -50,7 +58,28 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     parameters from, each rank reading only its shards (for a ``model`` built on the meta device).
     ``bucket_bytes``: size of the gradient all-reduce buckets. ``graph``: the graph the plan was
     made from, captured on meta (skips capturing again; its fingerprint is still checked).
+    ``replicas``: every rank shards its own copy of ``model``, so the copies must be equal:
+    ``"check"`` (default) compares an exact checksum of every parameter and buffer across ranks and
+    raises :class:`~autoshard.runtime.replicas.ReplicaMismatchError` naming what differs;
+    ``"broadcast"`` gives every rank rank 0's values. ``pmodel.replicas`` says which was done.
+    ``check_inputs``: ``"first"`` (default) checks on the first call in each mode that every rank passed the same
+    batch (global input mode) and, when the model draws random numbers (dropout), has the same RNG
+    state; ``"always"`` on every call, and also that every rank ran backward on as many steps (a
+    rank that skips a backward whose collectives the others wait in ends in the collective timeout
+    instead); ``"never"`` not at all.
     Collective: every rank of the mesh must call it.
+
+    Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
+    call. Each tensor input must have the planned dtype and shape (global, or this rank's shard in
+    local input mode); a non-tensor input the value the graph was captured with
+    (:class:`~autoshard.runtime.inputs.InputError` otherwise).
+
+    Modes: ``pmodel.train()`` / ``pmodel.eval()`` switch as on the original module. The plan is made
+    in the mode the model was in (``plan.training``); the other mode runs the graph the model has
+    there (dropout off, BatchNorm reading its running statistics in eval) with the parameters in the
+    same layouts: ``plan.other_mode``, or derived from the plan when it lacks one (see
+    :mod:`autoshard.modes`; :class:`~autoshard.modes.ModeError` from ``train()``/``eval()`` when the
+    other mode cannot keep the layouts). ``pmodel`` starts in the mode ``model`` is in.
 
     Outputs come back as the plan was made for (``autoshard.plan(..., outputs=)``, recorded in
     ``plan.outputs``): ``"global"``, every output whole on every rank, as the model returns it;
@@ -67,24 +96,38 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     ``(rank+1)*batch/4 - 1``, the rows of the batch this rank computed (what DDP returns).
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
-                          checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph)
+                          checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph, replicas=replicas,
+                          check_inputs=check_inputs)
+
+
+@dataclass
+class _Mode:
+    """What runs in one mode (training or eval): its graph, plan and generated program."""
+
+    graph: CapturedGraph
+    plan: Plan
+    program: LocalProgram
+    binder: InputBinder
+    out_spec: Any
+    random: list[str]
 
 
 class ParallelModule(nn.Module):
     """The per-rank parallel model (see :func:`parallelize`).
 
     Attributes: ``plan``, ``device_mesh``, ``comm`` (this rank's collectives, with ``comm.counter``
-    recording every collective), ``program`` (the generated ``fx.GraphModule``), ``code`` (its
-    Python source), ``graph`` (the captured graph the plan was applied to), ``output_specs`` (the
-    layout of each flat output as returned: replicated, or this rank's shard; see
-    :func:`parallelize`).
+    recording every collective), ``program`` (the generated ``fx.GraphModule`` of the current mode),
+    ``code`` (its Python source), ``graph`` (the captured graph the plan was applied to, current
+    mode), ``output_specs`` (the layout of each flat output as returned: replicated, or this rank's
+    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
                  kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
                  checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 graph: CapturedGraph | None = None) -> None:
+                 graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first") -> None:
         super().__init__()
+        _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
                             f"{'x'.join(map(str, device_mesh.shape))}; plan for this mesh or build the mesh "
@@ -92,38 +135,117 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.device_mesh = device_mesh
         self.input_mode = input_mode
+        self.check_inputs = check_inputs
         self.device = torch.device(device_mesh.device_type, torch.cuda.current_device()) \
             if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type)
+        if args is None and kwargs is None and (graph is None or plan.inputs is not None):
+            args, kwargs = example_inputs(plan)
         graph = graph or _capture_meta(model, plan, args, kwargs)
         plan.check(graph)
         _agree_across_ranks(plan, graph, device_mesh)
-        self.graph = graph
         self.comm = MeshComm(device_mesh, CommCounter())
-        program = lower(graph, plan, self.comm, self.device, input_mode=input_mode)
-        object.__setattr__(self, "program", program.module)   # not a submodule: it holds no state
-        self._placeholders = program.placeholders
-        self.output_specs: list[ShardSpec | None] = program.output_specs
-        self._in_spec = graph.exported.call_spec.in_spec
-        self._out_spec = graph.exported.call_spec.out_spec
-        self._user_inputs = [s.arg.name for s in graph.exported.graph_signature.input_specs
-                             if s.kind.name == "USER_INPUT"]
-        self._install_state(model, graph, checkpoint)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        main = self._make_mode(graph, plan)
+        self._modes: dict[bool, _Mode] = {plan.training: main}
+        self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
+        self._grad_steps = 0                       # forwards whose outputs need a backward
+        self._backward_steps: set[int] = set()     # those a gradient has reached
+        # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
+        object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
+        self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
+                         _to_meta(dict(kwargs or {})))
+        self._install_state(model, graph, checkpoint, replicas)
         self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
-                                               for p, axes in self._bucketed(program)], bucket_bytes)
+                                               for p, axes in self._bucketed(main)], bucket_bytes)
+        self.train(model.training)
+
+    # -- modes -----------------------------------------------------------------------------------
+
+    def _make_mode(self, graph: CapturedGraph, plan: Plan) -> _Mode:
+        program = lower(graph, plan, self.comm, self.device, input_mode=self.input_mode)
+        in_spec = graph.exported.call_spec.in_spec
+        binder = InputBinder(self._signature, in_spec)
+        return _Mode(graph, plan, program, binder, graph.exported.call_spec.out_spec, random_nodes(graph.graph.nodes))
+
+    def _mode(self, training: bool) -> _Mode:
+        """The program of mode ``training``, built at the first switch to it (see :mod:`autoshard.modes`)."""
+        mode = self._modes.get(training)
+        if mode is not None:
+            return mode
+        from ..modes import ModeError, capture_in_mode, check_layouts_agree, plan_other_mode
+
+        label = "training" if training else "eval"
+        main = self._modes[self.plan.training]
+        if self._meta_model is None:
+            raise ModeError(f"{label} mode cannot be set up: parallelize was given a graph but no example inputs to "
+                            f"capture the model's {label}-mode graph with; pass args=/kwargs= (meta tensors work)")
+        graph = capture_in_mode(self._meta_model, *self._example, training, name=self.plan.model_name)
+        if graph.fingerprint() == main.graph.fingerprint():
+            self._modes[training] = main               # the model's graph is the same in both modes
+            return main
+        other = self.plan.other_mode
+        if other is not None:
+            other.check(graph)
+        else:
+            other = plan_other_mode(self.plan, graph)
+        check_layouts_agree(self.plan, other)
+        mode = self._make_mode(graph, other)
+        if dict(self._bucketed(mode)) != dict(self._bucketed(main)):
+            raise ModeError(f"{label} mode would synchronise parameter gradients differently from the plan's mode; "
+                            f"re-plan with the model in {label} mode for {label}-mode training")
+        self._modes[training] = mode
+        return mode
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Switch training/eval mode as the original module would (``eval()`` calls ``train(False)``);
+        the first switch to the plan's other mode builds its program (raising
+        :class:`~autoshard.modes.ModeError` if it cannot keep the plan's layouts)."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"train(mode) takes True or False, got {mode!r}")
+        self._mode(mode)
+        return super().train(mode)
+
+    @property
+    def graph(self) -> CapturedGraph:
+        """The captured graph of the current mode."""
+        return self._mode(self.training).graph
+
+    @property
+    def program(self) -> Any:
+        """The generated ``fx.GraphModule`` of the current mode."""
+        return self._mode(self.training).program.module
+
+    @property
+    def placeholders(self) -> list[PlaceholderInfo]:
+        """The inputs of the current mode's program: parameters, buffers and user inputs with their
+        layouts (``spec``; in local input mode each rank passes its block of a user input)."""
+        return self._mode(self.training).program.placeholders
+
+    @property
+    def output_specs(self) -> list[ShardSpec | None]:
+        """The layout of each flat output of the current mode (see :func:`parallelize`)."""
+        return self._mode(self.training).program.output_specs
 
     # -- state -----------------------------------------------------------------------------------
 
-    def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None) -> None:
+    def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None, replicas: str) -> None:
         """Register this rank's shard of every parameter and buffer under all of its original FQNs,
         in the original module order (so state-dict keys come in the original order). Parameters
         are plain local tensors (optimizers and autograd see no DTensor dispatch); their layouts are
-        kept in ``self.specs`` and DTensor views are built for checkpoints and state dicts."""
+        kept in ``self.specs`` and DTensor views are built for checkpoints and state dicts. The
+        ranks' copies are checked equal (or broadcast from rank 0) first, as ``replicas`` says."""
         from .state import load_local_shards
 
-        specs = {p.fqn: p.spec for p in self._placeholders if p.kind in ("param", "buffer")}
+        placeholders = self._modes[self.plan.training].program.placeholders
+        specs = {p.fqn: p.spec for p in placeholders if p.kind in ("param", "buffer")}
         canonical = {name: fqn for fqn, names in graph.tied_params.items() for name in names}
         sources = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
+        sources, self.replicas = agree_on_tensors(sources, "check" if checkpoint is not None else replicas)
+        log.info("autoshard.parallelize: %s", self.replicas)
         local = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
         made: dict[str, torch.Tensor] = {}
         self.specs: dict[str, ShardSpec] = {}
@@ -150,8 +272,9 @@ class ParallelModule(nn.Module):
         owner, attr = _owner(self, fqn_or_placeholder, create=False)
         return getattr(owner, attr)
 
-    def _bucketed(self, program: LocalProgram) -> Iterator[tuple[str, tuple[int, ...]]]:
-        by_name = {p.name: p for p in self._placeholders}
+    def _bucketed(self, mode: _Mode) -> Iterator[tuple[str, tuple[int, ...]]]:
+        program = mode.program
+        by_name = {p.name: p for p in program.placeholders}
         for placeholder, axes in program.bucketed_grads.items():
             fqn = by_name[placeholder].fqn
             assert fqn is not None
@@ -160,39 +283,61 @@ class ParallelModule(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise TypeError(f"the parallel module was captured for inputs structured as {self._in_spec}, "
-                            f"got {spec}; call it like the original model with the planned inputs")
+        mode = self._mode(self.training)
+        leaves = mode.binder.flatten(args, kwargs)
         feeds = []
+        given: list[tuple[str, Any]] = []
         user = iter(leaves)
-        for p in self._placeholders:
+        for p in mode.program.placeholders:
             if p.kind == "input":
-                feeds.append(self._input(next(user), p))
+                value = next(user)
+                given.append((mode.graph.user_input_specs.get(p.name, p.name), value))
+                feeds.append(self._input(value, p, mode.graph))
             elif p.kind in ("param", "buffer"):
                 feeds.append(self._tensor_of(p.fqn))             # type: ignore[arg-type]
             elif p.kind == "unused":
                 feeds.append(None)
             else:
                 raise PlanError(f"placeholder '{p.name}' ({p.kind}) is not supported by the runtime yet")
-        out = self.program(*feeds)
+        always = self.check_inputs == "always"
+        if always or (self.check_inputs == "first" and self.training not in self._checked_modes and
+                      (self.input_mode == "global" or mode.random)):
+            agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
+                          backward=(self._grad_steps, len(self._backward_steps)) if always else None)
+        self._checked_modes.add(self.training)
+        out = mode.program.module(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
-        return pytree.tree_unflatten(out, self._out_spec)
+        if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
+            self._watch_backward(out)
+        return pytree.tree_unflatten(out, mode.out_spec)
 
-    def _input(self, value: Any, p: PlaceholderInfo) -> Any:
-        if not isinstance(value, torch.Tensor):
+    def _watch_backward(self, outputs: list[Any]) -> None:
+        """Count this step as one that needs a backward, and mark it done when a gradient reaches any
+        of its outputs (``check_inputs="always"`` compares the counts across ranks)."""
+        step = self._grad_steps
+        self._grad_steps += 1
+
+        def done(grad: torch.Tensor) -> None:
+            self._backward_steps.add(step)
+
+        for o in outputs:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(done)
+
+    def _input(self, value: Any, p: PlaceholderInfo, graph: CapturedGraph) -> Any:
+        where = graph.user_input_specs.get(p.name, p.name)
+        if p.name in graph.constant_inputs:
+            check_constant(value, where, graph.constant_inputs[p.name])
             return value
-        meta = self.graph.tensor_meta(p.name)
+        meta = graph.tensor_meta(p.name)
+        if not isinstance(meta, TensorMeta):
+            return value
         want = tuple(meta.shape)
         if self.input_mode == "local" and p.spec is not None:
             want = p.spec.local_shape(want, self.comm.mesh_shape)
-        if tuple(value.shape) != want:
-            where = self.graph.user_input_specs.get(p.name, p.name)
-            layout = (f"this rank's {p.spec} shard of the planned {tuple(meta.shape)}" if self.input_mode == "local"
-                      else "the global batch the plan was made for")
-            raise ValueError(f"input {where} has shape {tuple(value.shape)}, expected {want} ({layout}); the plan "
-                             f"and the graph are fixed to the planned input shapes: re-plan for these shapes, with "
-                             f"a batch the mesh divides")
+        layout = (f"this rank's {p.spec} shard of the planned {tuple(meta.shape)}" if self.input_mode == "local"
+                  else "the global batch the plan was made for")
+        check_tensor(value, where, meta, want, layout)
         return value if value.device == self.device else value.to(self.device)
 
     @property
@@ -334,13 +479,39 @@ def capture_meta(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | N
 
 
 def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, Any] | None) -> CapturedGraph:
-    if args is None and kwargs is None:
-        args, kwargs = example_inputs(plan)
-    return capture_meta(model, args, kwargs, name=plan.model_name)
+    """The graph of ``model`` in the mode the plan was made in (the model's own per-module modes when
+    its root is in that mode)."""
+    if model.training == plan.training:
+        return capture_meta(model, args, kwargs, name=plan.model_name)
+    from ..modes import capture_in_mode
+
+    return capture_in_mode(model, args, kwargs, plan.training, name=plan.model_name)
+
+
+def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, bucket_bytes: Any, replicas: Any,
+                     check_inputs: Any) -> None:
+    """ArgumentError for an argument of :func:`parallelize` of the wrong type or not a known value."""
+    from ..api import ArgumentError
+
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"parallelize needs the nn.Module the plan was made for, got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise ArgumentError(f"parallelize needs a Plan (autoshard.plan(...) or Plan.load(path)), got "
+                            f"{type(plan).__name__}")
+    if not hasattr(device_mesh, "shape") or not hasattr(device_mesh, "device_type"):
+        raise ArgumentError(f"parallelize needs the DeviceMesh of autoshard.init_mesh({tuple(plan.mesh_shape)}), "
+                            f"got {type(device_mesh).__name__}")
+    for label, value, allowed in (("input_mode", input_mode, ("global", "local")), ("replicas", replicas, REPLICA_MODES),
+                                  ("check_inputs", check_inputs, INPUT_CHECKS)):
+        if value not in allowed:
+            raise ArgumentError(f"{label} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ArgumentError(f"bucket_bytes must be an int >= 1 (bytes per gradient all-reduce bucket, e.g. 25 * 2**20), "
+                            f"got {bucket_bytes!r}")
 
 
 _DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
-                    "segments", "reshards", "inputs", "outputs")
+                    "segments", "reshards", "inputs", "outputs", "training", "other_mode")
 
 
 def _plan_digest(plan: Plan) -> str:

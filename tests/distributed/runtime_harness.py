@@ -87,7 +87,7 @@ def check_plan(module: torch.nn.Module, inputs: Sequence[Any], plan: Plan, graph
             assert want is None and (got is None or not got.any()), f"{what}: gradient of {name}: {got} vs {want}"
             continue
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: grad of {name}: {m}")
-    specs = {p.name: p.spec for p in pm._placeholders if p.kind == "input"}
+    specs = {p.name: p.spec for p in pm.placeholders if p.kind == "input"}
     for j, (x, rx, name) in enumerate(zip(xs, ref.inputs, graph.user_inputs)):
         if not isinstance(x, torch.Tensor) or rx.grad is None:
             continue

@@ -238,7 +238,7 @@ def test_local_input_mode_equals_global():
         pm_global = autoshard.parallelize(model, plan, mesh, graph=graph)
         pm_local = autoshard.parallelize(model, plan, mesh, graph=graph, input_mode="local")
 
-        inputs = [p for p in pm_local._placeholders if p.kind == "input"]
+        inputs = [p for p in pm_local.placeholders if p.kind == "input"]
         leaves, treespec = pytree.tree_flatten((args, kwargs))
         assert len(inputs) == len(leaves), (inputs, len(leaves))
         coord = pm_local.comm.coord

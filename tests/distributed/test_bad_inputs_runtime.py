@@ -1,0 +1,198 @@
+"""Runtime bad inputs and modes on 4 gloo ranks (2x2): what would make ranks drift apart is an error on
+every rank, and ``train()``/``eval()`` behave as on the original module.
+
+- eval/train: a model with BatchNorm and Dropout, parallelized data-parallel (the batch, and so the
+  dropout mask, sharded over all 4 ranks), equals the single-device model step for step in training
+  (seeded dropout, synchronised BatchNorm statistics), in eval (dropout off, running statistics read
+  and not updated) and back in training; with the stored eval plan and with one derived at the switch.
+- replicas: per-rank model seeds are an error naming the parameters; ``replicas="broadcast"`` fixes it.
+- global input mode: a different batch on one rank, or per-rank RNG seeds with dropout, are errors on
+  the first step; ``check_inputs="never"`` turns the check off.
+- inputs: keyword calls bind like the model's forward; wrong dtype or names are InputErrors.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+from autoshard.api import ArgumentError
+from autoshard.runtime.inputs import InputError
+from autoshard.runtime.replicas import ReplicaMismatchError
+from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+MESH = (2, 2)
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _shared_plan(model: nn.Module, **kw) -> autoshard.Plan:
+    """Rank 0 plans; every rank gets the same plan."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        box = [autoshard.plan(model, (_batch(0),), mesh=MESH, hardware="cpu-gloo", baseline="data_parallel", **kw)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored-eval-plan", "derived-eval-plan"])
+def test_train_and_eval_equal_one_device(stored: bool) -> None:
+    ref = _model()
+    plan = _shared_plan(ref)
+    assert plan.training and plan.other_mode is not None
+    if not stored:
+        plan.other_mode = None             # an older plan: the runtime derives the eval plan at the switch
+    pm = autoshard.parallelize(copy.deepcopy(ref), plan, device_mesh(MESH))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def train_step(step: int) -> None:
+        torch.manual_seed(100 + step)
+        loss = pm(_batch(step)).square().mean()
+        torch.manual_seed(100 + step)
+        ref_loss = ref(_batch(step)).square().mean()
+        _assert_close(loss, ref_loss, f"training loss, step {step}")
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    def check() -> None:
+        for step in range(2):
+            train_step(step)
+        pm.eval(), ref.eval()
+        assert not pm.training
+        before = {k: v.clone() for k, v in pm.state_dict().items()}
+        with torch.no_grad():
+            for step in range(2):                     # eval: deterministic, running statistics read only
+                _assert_close(pm(_batch(10 + step)), ref(_batch(10 + step)), f"eval output {step}")
+        after = pm.state_dict()
+        for k, v in before.items():
+            assert torch.equal(v, after[k]), f"{k} changed in eval mode"
+        for k, v in ref.state_dict().items():
+            _assert_close(after[k], v, f"state {k}")
+        pm.train(), ref.train()
+        train_step(5)
+        for k, v in ref.state_dict().items():
+            _assert_close(pm.state_dict()[k], v, f"state {k} after returning to training")
+
+    on_all_ranks("train/eval equal one device", check)
+
+
+def test_eval_differs_from_training_where_it_should() -> None:
+    """A check that can fail: the eval program really is another program (no dropout, no statistics
+    update), not the training one run again."""
+    ref = _model()
+    pm = autoshard.parallelize(copy.deepcopy(ref), _shared_plan(ref), device_mesh(MESH))
+    x = _batch(3)
+    torch.manual_seed(7)
+    train_out = pm(x)
+    pm.eval()
+    eval_out = pm(x)
+    assert not torch.allclose(train_out, eval_out)
+    assert "coordinated_dropout" not in pm.code and "sync_batch_norm" not in pm.code
+    assert "dropout.default(relu, 0.5, False)" in pm.code          # eval dropout: the identity
+    pm.train()
+    assert "coordinated_dropout" in pm.code and "sync_batch_norm" in pm.code
+
+
+def test_per_rank_model_seeds_are_an_error() -> None:
+    plan = _shared_plan(_model())
+    with pytest.raises(ReplicaMismatchError, match=r"differ from rank 0.*torch.manual_seed\(0\).*replicas='broadcast'"):
+        autoshard.parallelize(_model(seed=dist.get_rank()), plan, device_mesh(MESH))
+
+
+def test_broadcast_replicas_give_rank_0s_model() -> None:
+    plan = _shared_plan(_model())
+    pm = autoshard.parallelize(_model(seed=dist.get_rank()), plan, device_mesh(MESH), replicas="broadcast")
+    assert "broadcast from rank 0" in pm.replicas
+    full = pm.state_dict()
+    for k, v in _model(seed=0).state_dict().items():
+        assert torch.equal(full[k], v), k
+
+
+def test_different_batches_in_global_mode_are_an_error() -> None:
+    ref = _model()
+    plan = _shared_plan(ref)
+    pm = autoshard.parallelize(copy.deepcopy(ref), plan, device_mesh(MESH))
+    with pytest.raises(ReplicaMismatchError, match=r"same batch.*args\[0\].*input_mode='local'"):
+        pm(_batch(dist.get_rank()))
+    pm = autoshard.parallelize(copy.deepcopy(ref), plan, device_mesh(MESH), check_inputs="never")
+    torch.manual_seed(0)
+    pm(_batch(dist.get_rank()))                       # not checked: runs
+
+
+def test_per_rank_rng_seeds_with_dropout_are_an_error() -> None:
+    ref = _model()
+    pm = autoshard.parallelize(copy.deepcopy(ref), _shared_plan(ref), device_mesh(MESH))
+    torch.manual_seed(dist.get_rank())
+    with pytest.raises(ReplicaMismatchError, match=r"RNG state.*same seed on every rank"):
+        pm(_batch(0))
+
+
+def test_keyword_calls_and_bad_inputs() -> None:
+    ref = _model()
+    pm = autoshard.parallelize(copy.deepcopy(ref), _shared_plan(ref), device_mesh(MESH)).eval()
+    x = _batch(1)
+    torch.testing.assert_close(pm(input=x), pm(x))
+    with pytest.raises(InputError, match=r"dtype float64.*pass it as float32"):
+        pm(x.double())
+    with pytest.raises(InputError, match=r"does not accept this call"):
+        pm(x, x)
+    with pytest.raises(InputError, match=r"shape \(4, 8\).*re-plan"):
+        pm(x[:4])
+
+
+@pytest.mark.parametrize("kw,fix", [({"replicas": "maybe"}, r"replicas must be one of 'check', 'broadcast'"),
+                                    ({"check_inputs": "sometimes"}, r"'first', 'always', 'never'"),
+                                    ({"bucket_bytes": 0}, r"int >= 1"),
+                                    ({"input_mode": "shard"}, r"'global', 'local'")],
+                         ids=["replicas", "check-inputs", "bucket-bytes", "input-mode"])
+def test_parallelize_arguments(kw, fix) -> None:
+    plan = _shared_plan(_model())
+    with pytest.raises(ArgumentError, match=fix):
+        autoshard.parallelize(_model(), plan, device_mesh(MESH), **kw)
+    with pytest.raises(ArgumentError, match=r"needs a Plan"):
+        autoshard.parallelize(_model(), "plan.json", device_mesh(MESH))
+
+
+def _replicated_plan(model: nn.Module) -> autoshard.Plan:
+    """Every node replicated: no collective at all, so a rank that skips backward would drift silently."""
+    from autoshard.enumerate import enumerate_strategies
+    from autoshard.runtime import capture_meta
+    from autoshard.solver.costgraph import build_cost_graph
+    from autoshard.solver.fixed import fixed_solution
+    from autoshard.solver.ilp import SolverOptions
+
+    graph = capture_meta(model, (_batch(0),), name="mlp")
+    cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=MESH, hardware="cpu-gloo"), merge_followers=False,
+                          alias_blocks=False)
+    return autoshard.Plan.from_solution(cg, fixed_solution(cg, {}), model_name="mlp", options=SolverOptions(),
+                                        budget=None)
+
+
+def test_a_rank_that_skips_backward_is_an_error() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pm = autoshard.parallelize(model, _replicated_plan(model), device_mesh(MESH), check_inputs="always")
+    pm(_batch(0)).sum().backward()
+    loss = pm(_batch(1)).sum()
+    if dist.get_rank() != 3:
+        loss.backward()
+    with pytest.raises(ReplicaMismatchError, match=r"rank 3: 1 of 2.*same steps"):
+        pm(_batch(2))
