@@ -45,7 +45,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = 0.0, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global", other_mode: bool = True) -> Plan:
+         outputs: str = "global", other_mode: bool = False) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -66,10 +66,12 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
     collective and nothing priced for it; 0-dim outputs such as a loss stay global). Use
     ``"local"`` when the training loop only needs the loss, as with DDP, where each rank keeps
-    its own logits. ``other_mode``: also plan the model's graph in its other mode (eval for a model
-    in training mode), every parameter in the layout the main plan gives it, and store it in
-    ``plan.other_mode`` (see :mod:`autoshard.modes`); the parallelized model switches between the two
-    on ``.train()``/``.eval()``. Skipped when both modes capture the same graph.
+    its own logits. ``other_mode``: also plan the model's graph in its other mode now (eval for a
+    model in training mode), every parameter in the layout the main plan gives it, and store it in
+    ``plan.other_mode`` (see :mod:`autoshard.modes`). Off by default: it costs a second capture
+    (about doubling planning time for a Hugging Face model), and the parallelized model derives the
+    same plan (nothing is solved) at its first ``.eval()`` when the plan lacks it. Skipped when both
+    modes capture the same graph.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
     ``fallback``, ``outputs`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`

@@ -532,7 +532,8 @@ def test_random_ops_are_found() -> None:
 
 def test_eval_mode_is_planned_with_the_training_layouts() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
-    plan = autoshard.plan(model, (torch.randn(8, 8, device="meta"),), mesh=(2, 2), hardware=HW)
+    assert autoshard.plan(model, (torch.randn(8, 8, device="meta"),), mesh=(2, 2), hardware=HW).other_mode is None
+    plan = autoshard.plan(model, (torch.randn(8, 8, device="meta"),), mesh=(2, 2), hardware=HW, other_mode=True)
     assert plan.training and plan.other_mode is not None and not plan.other_mode.training
     main = {n.fqn: n.outputs for n in plan.nodes.values() if n.kind == "placeholder"}
     other = {n.fqn: n.outputs for n in plan.other_mode.nodes.values() if n.kind == "placeholder"}

@@ -55,7 +55,7 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("stored", [True, False], ids=["stored-eval-plan", "derived-eval-plan"])
 def test_train_and_eval_equal_one_device(stored: bool) -> None:
     ref = _model()
-    plan = _shared_plan(ref)
+    plan = _shared_plan(ref, other_mode=True)
     assert plan.training and plan.other_mode is not None
     if not stored:
         plan.other_mode = None             # an older plan: the runtime derives the eval plan at the switch
