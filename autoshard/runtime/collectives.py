@@ -140,7 +140,8 @@ class MeshComm(MeshCoordinates):
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self.counter.add("all_gather", (axis,), phase, _nbytes(out))
         dist.all_gather_single(out, src, group=self.group((axis,)))
-        return out.movedim(0, dim)
+        # contiguous, as the single-device op's output is: a later aten.view needs the strides
+        return out.movedim(0, dim).contiguous()
 
     def gather_flat(self, piece: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
         """All-gather equal flat pieces over ``axes`` (block order = shard index): the flat whole."""

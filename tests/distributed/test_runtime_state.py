@@ -381,3 +381,16 @@ def test_ranks_that_each_plan_identically_agree():
         autoshard.parallelize(model, own, device_mesh((2, 2)), graph=_graph(name))
 
     on_all_ranks("every rank plans for itself", run)
+
+
+def test_all_gather_along_an_inner_dim_returns_a_contiguous_tensor():
+    """A gathered shard is contiguous like the single-device value, so the next aten.view works
+    (it failed with 'view size is not compatible with input tensor's size and stride')."""
+    from autoshard.runtime.collectives import MeshComm
+
+    comm = MeshComm(device_mesh((2, 2)))
+    whole = torch.arange(2 * 4 * 6, dtype=torch.float32).reshape(2, 4, 6)
+    local = whole.chunk(2, 1)[comm.coord[1]].contiguous()
+    gathered = comm.all_gather(local, 1, 1, "fwd")
+    assert gathered.is_contiguous()
+    torch.testing.assert_close(gathered.view(2, 24), whole.view(2, 24))
