@@ -165,8 +165,10 @@ class MeshComm(MeshCoordinates):
 
     def reduce_scatter(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
         n = self.mesh_shape[axis]
-        src = torch.stack(t.chunk(n, dim)).contiguous()
-        out = torch.empty_like(src[0])
+        chunks = t.chunk(n, dim)
+        # the n blocks laid out one after another along dim 0, as the collective splits its input
+        src = torch.stack(chunks).flatten(0, 1) if t.ndim else torch.stack(chunks)
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         self.counter.add("reduce_scatter", (axis,), phase, _nbytes(t))
         dist.reduce_scatter_single(out, src, group=self.group((axis,)))
         return out
