@@ -928,17 +928,11 @@ def _identical_blocks(cg: CostGraph, b: _Builder) -> list[tuple[str, list[list[s
 
 
 def _alias_blocks(cg: CostGraph, classes: list[tuple[str, list[list[str]]]]) -> None:
-    """Give the k-th CGNode of every block of a class the key ``<class key>/<k>``, except nodes
-    whose value nothing reads (e.g. metadata asserts): their choice changes only their own cost
-    and that of their inputs, which differ for a block fed from outside the class (the first),
-    so sharing it could only cost (it did: 2-3% on a Llama, its first block's asserts pinned to
-    the layout the later blocks receive)."""
-    read = {e.src for e in cg.edges}
+    """Give the k-th CGNode of every block of a class the key ``<class key>/<k>``."""
     for key, blocks in classes:
         for names in blocks:
             for k, name in enumerate(names):
-                if name in read:
-                    cg.nodes[name].alias = f"{key}/{k}"
+                cg.nodes[name].alias = f"{key}/{k}"
 
 
 def _block_signature(cg: CostGraph, b: _Builder, names: list[str],
