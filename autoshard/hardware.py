@@ -61,7 +61,7 @@ class LinkModel:
 
 
 COMPUTE_FAMILIES: Mapping[str, str] = {
-    "matmul": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "norm": "bytes", "loss": "bytes"}
+    "matmul": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "norm": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
 PHASES = ("fwd", "bwd")

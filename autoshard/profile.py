@@ -16,6 +16,7 @@ runs is kept, and then the maximum over ranks (the slowest rank sets the pace of
 - **Compute curves** (``compute`` in the profile, see :mod:`autoshard.hardware`), float32 and on CUDA
   also bfloat16: forward and backward seconds of one op against its forward work, for the families
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
+  ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
   ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add, mul,
   tanh-GELU and SiLU at equal bytes), ``norm`` (``F.layer_norm``) and ``loss`` (``F.cross_entropy``
   over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
@@ -275,12 +276,13 @@ def _dtypes(device: torch.device) -> dict[str, torch.dtype]:
 # matmul: tokens, in, out: thin (fewer tokens than features), square and MLP-wide, 1.3e5 .. 9.7e9 FLOPs
 MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (512, 512, 512),
                  (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))
+CONV_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
                     (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
-CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "attention": ((8, 16, 2048, 128),),
+CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
               "pointwise": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),)}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
@@ -312,6 +314,20 @@ def _linear(shape, dtype, device) -> _Op:
         return _leaf((b, a), dtype, device, a ** -0.5), _leaf((b,), dtype, device, 0.1)
 
     return _Op(F.linear, _leaf((t, n_in), dtype, device), params)
+
+
+def _conv2d(shape, dtype, device) -> _Op:
+    """3x3 convolution, C -> C channels, padding 1 (the chain keeps its shape), with bias."""
+    channels = shape[1]
+
+    def params(i: int) -> tuple:
+        return (_leaf((channels, channels, 3, 3), dtype, device, (9 * channels) ** -0.5),
+                _leaf((channels,), dtype, device, 0.1))
+
+    def conv(x, w, b):
+        return F.conv2d(x, w, b, padding=1)
+
+    return _Op(conv, _leaf(shape, dtype, device), params)
 
 
 def _attention(shape, dtype, device) -> _Op:
@@ -351,6 +367,7 @@ def _cross_entropy(shape, dtype, device) -> _Op:
 # family -> (sizes, the ops whose median is the family's time at a size)
 COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "matmul": (MATMUL_SHAPES, (_linear,)),
+    "conv": (CONV_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
     "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul),
                                     _unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu))),
@@ -606,7 +623,7 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
-        f"(matmul), causal F.scaled_dot_product_attention (attention), the median of add, mul, tanh-GELU "
+        f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add, mul, tanh-GELU "
         f"and SiLU (pointwise), F.layer_norm (norm) and F.cross_entropy (loss) against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of up to {_MAX_CHAIN} identical "
         f"ops (per-op time = chain time / length), median of up to {compute_iters} barrier-synchronised "

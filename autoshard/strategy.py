@@ -289,10 +289,11 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
             + sum(local_bytes(m, s, mesh_shape) for m, s in zip(op.outputs, out_specs)))
 
 
-# The measured curve (HardwareProfile.compute) that prices an op of each handler family; every other
-# family that is not free (views are) goes by its bytes, as a pointwise op.
-_CURVE_OF_FAMILY = {"matmul": "matmul", "conv": "matmul", "attention": "attention", "norm": "norm",
-                    "loss": "loss"}
+# The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
+# one the profile has (a profile measured before convolutions had a curve prices them as matmuls);
+# every other family that is not free (views are) goes by its bytes, as a pointwise op.
+_CURVES_OF_FAMILY = {"matmul": ("matmul",), "conv": ("conv", "matmul"), "attention": ("attention",),
+                     "norm": ("norm",), "loss": ("loss",)}
 
 
 def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: str, profile: "OpProfile",
@@ -311,8 +312,7 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
 
     if op.free:
         return 0.0
-    if family is not None:
-        curve = _CURVE_OF_FAMILY.get(family, "pointwise")
+    for curve in _CURVES_OF_FAMILY.get(family, ("pointwise",)) if family is not None else ():
         work = profile.fwd_flops / split if COMPUTE_FAMILIES[curve] == "FLOPs" else io_bytes
         measured = hw.op_seconds(curve, work, phase, op.compute_dtype)
         if measured is not None:

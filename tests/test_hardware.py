@@ -154,8 +154,8 @@ def test_op_seconds_is_none_where_not_measured_and_rejects_bad_arguments():
         assert gpu.compute == {} and gpu.optimizer is None and gpu.overlap is None
         assert gpu.op_seconds("matmul", 1e9, "fwd", "bfloat16") is None
         assert gpu.optimizer_seconds(10, 1e6) is None
-    with pytest.raises(ValueError, match="unknown compute family 'conv'"):
-        hw.op_seconds("conv", 1e6, "fwd", "float32")
+    with pytest.raises(ValueError, match="unknown compute family 'gemm'"):
+        hw.op_seconds("gemm", 1e6, "fwd", "float32")
     with pytest.raises(ValueError, match="phase"):
         hw.op_seconds("matmul", 1e6, "backward", "float32")
     with pytest.raises(ValueError, match="non-negative"):
@@ -210,7 +210,7 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, attention, pointwise, norm, loss"),
+     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, norm, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
      r"matmul must have exactly the keys work \(FLOPs\)"),
@@ -362,3 +362,13 @@ def test_a_measured_world_link_prices_collectives_over_both_axes():
     bad = {**measured.to_dict(), "world": {"alpha": 1e-3, "beta": -1.0}}
     with pytest.raises(HardwareError, match="world.beta"):
         HardwareProfile.from_dict(bad)
+
+
+def test_a_profile_without_a_conv_curve_prices_convolutions_on_its_matmul_curve():
+    """Profiles measured before `autoshard profile` timed convolutions still price them from measurements."""
+    sizes, (build,) = COMPUTE_OPS["conv"]
+    op = build(sizes[1], torch.float32, torch.device("cpu"))
+    graph, node = _compute_node(op.fn, (op.x, *op.params(0)))
+    hw = linear_in_work([f for f in COMPUTE_FAMILIES if f != "conv"])
+    (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    assert strategy.compute_fwd == pytest.approx(RATE["matmul"] * op_work("conv", op), rel=1e-9)
