@@ -34,7 +34,7 @@ aten = torch.ops.aten
 _NON_DIFFERENTIABLE = frozenset({
     aten.detach, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
     aten.randn_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
-    aten.new_empty_strided,
+    aten.new_empty_strided, aten.histc,
 })
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 

@@ -248,6 +248,32 @@ def repeat_rules(op: OpInfo) -> list[AxisOption]:
     return pair_options([(i, i + lead) for i, s in enumerate(shape) if s > 1 and reps[i + lead] == 1])
 
 
+def _repeat_interleave_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """``output_size``, when captured, is rewritten to the local output's size along the
+    repeated dim (or the flat size when ``dim`` is None)."""
+    a = bound_args(op)
+    if a.get("output_size") is None:
+        return default_kernel(op, strategy)
+    local = local_out_shape(op, strategy)
+    dim = a.get("dim")
+    size = math.prod(local) if dim is None else local[norm_dim(dim, len(local))]
+    return LocalKernel(op.target, tuple(op.args), {**op.node.kwargs, "output_size": size})
+
+
+@register(aten.repeat_interleave.self_int, family="view", kernel=_repeat_interleave_kernel,
+          doc="repeat_interleave(x, r, dim): every dim, the repeated one included, stays sharded")
+def repeat_interleave_rules(op: OpInfo) -> list[AxisOption]:
+    """repeat_interleave(x, repeats: int, dim): each element of ``dim`` becomes ``repeats``
+    consecutive ones, so contiguous blocks of ``dim`` map to contiguous blocks of the output
+    (block ``b`` of ``n/k`` elements -> block ``b`` of ``n*r/k``); other dims are untouched. With
+    ``dim=None`` x is flattened first: only the leading dim whose blocks stay contiguous in the
+    flat order (the reshape rule) carries its sharding to the output."""
+    a = bound_args(op)
+    if a.get("dim") is None:
+        return pair_options(reshape_pairs(op.shape(0), (op.operands[0].numel,)))
+    return pair_options(identity_pairs(op))
+
+
 # -- slicing and indexing ------------------------------------------------------------------------
 
 def _other_dims(ndim: int, dim: int, shift: int = 0) -> DimPairs:

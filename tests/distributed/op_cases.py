@@ -79,6 +79,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "new_tensor": (lambda: Fn(lambda m, x: x + torch.ones(4, 8, device=x.device)), lambda: (_x(4, 8),)),
     "scalar_tensor": (lambda: Fn(lambda m, x: x * torch.scalar_tensor(3.0, device=x.device)), lambda: (_x(4, 8),)),
     "no_grad_region": (lambda: Fn(_no_grad_center), lambda: (_x(4, 8),)),
+    # ordering, binning and elementwise selection (handlers/sorting.py), repeat_interleave
+    "min_max_other": (lambda: Fn(lambda m, x, y: torch.min(x, y) * torch.max(x, m.w), w=_p(8)),
+                      lambda: (_x(4, 8), _x(4, 8))),
+    "floor_divide": (lambda: Fn(lambda m, x, i: x * torch.floor_divide(i, 3).to(x.dtype)),
+                     lambda: (_x(4, 8), _i(50, 4, 8))),
+    "topk": (lambda: Fn(lambda m, x: torch.topk(x * m.w, 3, dim=-1), w=_p(8)), lambda: (_x(4, 4, 8),)),
+    "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
+    "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
+              lambda: (_x(4, 8),)),
+    "repeat_interleave": (lambda: Fn(lambda m, x: x.repeat_interleave(2, dim=1) * 2), lambda: (_x(4, 4, 4),)),
     # reductions, softmax
     "mean": (lambda: Fn(lambda m, x: x.mean(1)), lambda: (_x(4, 8, 4),)),
     "sum": (lambda: Fn(lambda m, x: x.sum(1)), lambda: (_x(4, 8, 4),)),
