@@ -110,10 +110,155 @@ def capture(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None =
     except Exception as e:  # export raises many unrelated types; all mean "cannot capture"
         raise CaptureError(_export_failure_message(label, model, e)) from e
     exported_at = time.perf_counter()
+    renamed = functionalize_inplace(exported.graph_module, {
+        s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.BUFFER})
+    for spec in exported.graph_signature.output_specs:   # an output may be a rewritten node
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+            spec.arg.name = renamed[spec.arg.name]
     graph = CapturedGraph(exported, model, args, kwargs, name=label)
     graph.timings = {"export_s": exported_at - start,
                      "postprocess_s": time.perf_counter() - exported_at}
     return graph
+
+
+# -- functionalization of in-place ops -----------------------------------------------------------
+
+INPLACE_REFUSAL = "autoshard_inplace_refusal"
+"""``node.meta`` key: why an in-place node was left in place (the enumerator's error says it)."""
+
+
+def _written_arg(target: Any) -> int | None:
+    """Schema index of the argument an in-place aten op writes (``self`` of ``add_``), else None."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return None
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    return written[0] if len(written) == 1 else None
+
+
+def _out_of_place(target: Any) -> Any:
+    """The functional twin of an in-place overload (``add_.Tensor`` -> ``add.Tensor``), or None."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    if twin is None or twin._schema.is_mutable or len(twin._schema.returns) != 1:
+        return None
+    return twin
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share storage with one of its inputs (a view, a split piece,
+    detach/alias, the result of an in-place op)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and _aliases_input(src)
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None for a in schema.arguments)
+
+
+def _views_of(node: fx.Node) -> list[fx.Node]:
+    """Every node whose value is a view of ``node``'s storage (transitively), ``node`` excluded."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if _aliases_input(user) and user.args and user.args[0] is n and user not in out:
+                out.append(user)
+                todo.append(user)
+    return out
+
+
+def _twin_mismatch(node: fx.Node, twin: Any) -> str | None:
+    """Why the out-of-place ``twin`` would not give the in-place node's value (another dtype:
+    ``half.add_(float)`` stays half, ``add`` promotes; another shape: broadcasting), or None."""
+    want = node.meta.get("val")
+
+    def meta(x: Any) -> Any:
+        v = x.meta.get("val") if isinstance(x, fx.Node) else x
+        if isinstance(v, torch.Tensor):
+            return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+        return torch.device("meta") if isinstance(x, torch.device) else v
+
+    args, kwargs = pytree.tree_map(meta, (node.args, node.kwargs))
+    try:
+        got = twin(*args, **kwargs)
+    except Exception as e:   # the twin refuses these arguments: keep the node, say why
+        return f"its out-of-place twin {twin} fails on the captured shapes ({type(e).__name__}: {e})"
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return "its value is not a tensor"
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        return (f"its out-of-place twin {twin} gives {got.dtype}{list(got.shape)}, the in-place op "
+                f"{want.dtype}{list(want.shape)}")
+    return None
+
+
+def functionalize_inplace(gm: fx.GraphModule, buffers: set[str] | frozenset[str] = frozenset()
+                          ) -> dict[str, str]:
+    """Rewrite in-place ops on intermediate values as their out-of-place twins, in place in ``gm``.
+
+    ``y = f(x); y.add_(z); g(y)`` becomes ``y2 = add(y, z); g(y2)``: the in-place node is replaced
+    by its functional twin (same name), and every later use of the mutated value reads the new
+    one. That is exact when nothing else sees the storage: the mutated value is a fresh
+    intermediate (not a graph input, not a view of another value) and no view of it taken before
+    the mutation is read after it. Left in place, with the reason in ``node.meta[INPLACE_REFUSAL]``
+    (the enumerator refuses them, naming it): mutations of graph inputs (buffers keep their own
+    path: a batch-norm step counter is a replicated in-place add), of views (``x[:, 0] = v``,
+    ``split(x)[0].add_()``), and of values whose earlier views are read later. Returns the names of
+    ``{old name: new name}`` of the nodes rewritten (the caller renames graph outputs).
+    ``buffers``: the placeholder names of the module's buffers.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    rewritten: dict[str, str] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        w = _written_arg(node.target)
+        if w is None:
+            continue
+        twin = _out_of_place(node.target)
+        mutated = node.args[w] if w < len(node.args) else node.kwargs.get(node.target._schema.arguments[w].name)
+        reason = None
+        if twin is None:
+            reason = "it has no out-of-place twin autoshard can use"
+        elif not isinstance(mutated, fx.Node):
+            reason = "its mutated operand is not a graph value"
+        elif mutated.op == "placeholder":
+            if mutated.name in buffers:
+                continue          # buffer mutation: handled where it is (see the docstring)
+            reason = f"it mutates the graph input '{mutated.name}'"
+        elif _aliases_input(mutated):
+            reason = f"it mutates '{mutated.name}', a view of another value (the base would change too)"
+        else:
+            late = [v.name for v in _views_of(mutated) if order[v] < order[node]
+                    and any(order[u] > order[node] for u in v.users)]
+            if late:
+                reason = f"views of '{mutated.name}' taken before it ({', '.join(late)}) are read after it"
+        if reason is None:
+            reason = _twin_mismatch(node, twin)
+        if reason is not None:
+            node.meta[INPLACE_REFUSAL] = reason
+            continue
+        with graph.inserting_before(node):
+            new = graph.create_node("call_function", twin, node.args, dict(node.kwargs),
+                                    name=f"{node.name.rstrip('_')}_functional")
+        new.meta = dict(node.meta)
+        order[new] = order[node]
+        later = [u for u in mutated.users if u is not node and u is not new and order[u] > order[node]]
+        for user in later:
+            user.replace_input_with(mutated, new)
+        node.replace_all_uses_with(new)
+        rewritten[node.name] = new.name
+        graph.erase_node(node)
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
 
 
 def _export_failure_message(label: str, model: nn.Module, error: Exception) -> str:

@@ -130,6 +130,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     handler = handler_for(node.target)
     is_fallback = False
     if handler is None:
+        _refuse_inplace(graph, node, path)
         if fallback != "replicate":
             raise UnsupportedOpError(
                 f"no sharding handler for {op_name(node.target)} at node '{node.name}' "
@@ -152,6 +153,21 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
             cache[key] = strategies
     return NodeStrategies(node.name, op_name(node.target), path, strategies,
                           [n.name for n in op.operand_nodes], fallback=is_fallback)
+
+
+def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:
+    """An in-place op that capture left in place (see :func:`autoshard.capture.functionalize_inplace`)
+    cannot run even replicated: it would mutate a resharded copy of its operand, not the value."""
+    from .capture import INPLACE_REFUSAL, _written_arg
+
+    if node.op != "call_function" or _written_arg(node.target) is None:
+        return
+    reason = node.meta.get(INPLACE_REFUSAL, "it is an in-place op with no handler")
+    raise UnsupportedOpError(
+        f"in-place {op_name(node.target)} at node '{node.name}' (module '{path or '<root>'}') could not "
+        f"be made out-of-place: {reason}. Write this line of the model out-of-place (x = x.add(y) "
+        f"instead of x.add_(y) / x += y; torch.where or torch.cat instead of slice assignment). "
+        f"fallback='replicate' cannot run it either: replicated, it would mutate a copy of its operand.")
 
 
 def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,
