@@ -132,10 +132,15 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     if handler is None:
         _refuse_inplace(graph, node, path)
         if fallback != "replicate":
+            custom = getattr(node.target, "namespace", "aten") != "aten"
+            hint = (" It is a custom op with no decomposition autoshard can inline: register one "
+                    "(torch._decomp.register_decomposition) so its aten ops are sharded, register a "
+                    "handler (autoshard.handlers.register), or" if custom else
+                    " Add a handler in autoshard/handlers/, or")
             raise UnsupportedOpError(
                 f"no sharding handler for {op_name(node.target)} at node '{node.name}' "
-                f"(module '{path or '<root>'}'). Add a handler in autoshard/handlers/, or pass "
-                f"fallback='replicate' to run this node replicated (it will be reported).")
+                f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
+                f"replicated (it will be reported).")
         is_fallback = True
     op = OpInfo(node, graph, mesh, free=bool(handler and handler.free))
     key = op.signature()

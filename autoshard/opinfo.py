@@ -239,8 +239,9 @@ def _node_key(op: OpInfo, x: fx.Node) -> tuple:
 
 
 def op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverload):   # aten.add.Tensor, mylib.scale.default
+        namespace, _, name = target._schema.name.partition("::")
+        return f"{namespace}.{name}.{target._overloadname}"
     return getattr(target, "__name__", str(target))
 
 

@@ -1,11 +1,14 @@
-"""Models written with in-place ops train on 4 gloo ranks exactly like one device.
+"""Models written with in-place ops, and models calling custom ops, train on 4 gloo ranks exactly
+like one device.
 
 Capture makes their in-place ops out-of-place (``autoshard.capture.functionalize_inplace``): a
 residual CNN whose blocks do ``out += identity`` (BatchNorm in training, its running stats and step
 counters updated as on one device), and an attention layer that does ``scores.masked_fill_``.
 3 AdamW steps under the solved plan and baseline plans give the same losses, parameters and
 buffers as single-device training (fp32, rtol 1e-5, atol 1e-6), and the communication recorded in a
-step equals the plan's.
+step equals the plan's. Custom ops (``custom_ops_lib``): one with a registered decomposition
+(inlined by capture, sharded like its aten ops) and an opaque one run replicated under
+``fallback="replicate"``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 import autoshard
 from autoshard.plans import Plan
 from autoshard.runtime import capture_meta
+from custom_ops_lib import example as custom_op_example
 from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
 
 STEPS = 3
@@ -68,6 +72,8 @@ class MaskedAttention(nn.Module):
 
 
 def _model(name: str):
+    if name.startswith("custom_"):
+        return custom_op_example(name[len("custom_"):])
     torch.manual_seed(0)
     if name == "residual_cnn":
         return ResidualCNN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 8, (8,)))
@@ -88,7 +94,7 @@ def _train(model, args, steps: int, counter=None) -> list[torch.Tensor]:
     return losses
 
 
-def _run(name: str, kind: str) -> None:
+def _run(name: str, kind: str, fallback: str = "error") -> None:
     mesh_shape = (2, 2)
     model, args = _model(name)
     graph = capture_meta(model, args, name=name)
@@ -96,8 +102,9 @@ def _run(name: str, kind: str) -> None:
         "capture left in-place ops on activations"
     box = [None]
     if dist.get_rank() == 0:
-        plan = autoshard.plan(graph, mesh=mesh_shape, hardware="h100-nvlink",
+        plan = autoshard.plan(graph, mesh=mesh_shape, hardware="h100-nvlink", fallback=fallback,
                               baseline=None if kind == "solved" else kind)
+        assert bool(plan.fallbacks) == (fallback == "replicate")
         box = [plan.to_dict()]
     dist.broadcast_object_list(box, 0)
     plan = Plan.from_dict(box[0])
@@ -119,3 +126,10 @@ def _run(name: str, kind: str) -> None:
 @pytest.mark.parametrize("name", ["residual_cnn", "masked_attention"])
 def test_inplace_models_train_like_one_device(name, kind):
     on_all_ranks(f"{name} with the {kind} plan", _run, name, kind)
+
+
+@pytest.mark.parametrize("kind", ["solved", "megatron"])
+@pytest.mark.parametrize("op", ["decomposed_scaled_mm", "opaque_scaled_mm"])
+def test_custom_op_models_train_like_one_device(op, kind):
+    fallback = "replicate" if op.startswith("opaque") else "error"
+    on_all_ranks(f"custom op {op} with the {kind} plan", _run, f"custom_{op}", kind, fallback)
