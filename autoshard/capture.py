@@ -280,6 +280,27 @@ def _twin_mismatch(node: fx.Node, twin: Any) -> str | None:
     return None
 
 
+def _copy_as_differentiable_ops(graph: fx.Graph, node: fx.Node, dst: fx.Node) -> fx.Node:
+    """``dst.copy_(src)`` as a fresh value: ``src`` cast to dst's dtype, expanded to its shape, copied.
+    (``aten.copy``, copy_'s functional twin, has no autograd formula; these ops do.)"""
+    src = node.args[1]
+    want, have = dst.meta["val"], src.meta["val"]
+    cur = src
+
+    def add(target: Any, args: tuple, kwargs: dict, shape: Sequence[int], dtype: torch.dtype) -> fx.Node:
+        n = graph.create_node("call_function", target, args, kwargs, name=f"{node.name.rstrip('_')}_functional")
+        n.meta = {**node.meta, "val": torch.empty(tuple(shape), dtype=dtype, device="meta")}
+        return n
+
+    if have.dtype != want.dtype:
+        cur = add(aten._to_copy.default, (cur,), {"dtype": want.dtype}, have.shape, want.dtype)
+    if tuple(have.shape) != tuple(want.shape):
+        cur = add(aten.expand.default, (cur, list(want.shape)), {}, want.shape, want.dtype)
+    if cur is src or cur.target is aten.expand.default:   # never alias src: copy_ gives a new value
+        cur = add(aten.clone.default, (cur,), {}, want.shape, want.dtype)
+    return cur
+
+
 def functionalize_inplace(gm: fx.GraphModule, buffers: set[str] | frozenset[str] = frozenset()
                           ) -> dict[str, str]:
     """Rewrite in-place ops on intermediate values as their out-of-place twins, in place in ``gm``.
@@ -304,7 +325,8 @@ def functionalize_inplace(gm: fx.GraphModule, buffers: set[str] | frozenset[str]
         w = _written_arg(node.target)
         if w is None:
             continue
-        twin = _out_of_place(node.target)
+        is_copy = node.target is aten.copy_.default
+        twin = aten.copy.default if is_copy else _out_of_place(node.target)
         mutated = node.args[w] if w < len(node.args) else node.kwargs.get(node.target._schema.arguments[w].name)
         reason = None
         if twin is None:
@@ -322,14 +344,17 @@ def functionalize_inplace(gm: fx.GraphModule, buffers: set[str] | frozenset[str]
                     and any(order[u] > order[node] for u in v.users)]
             if late:
                 reason = f"views of '{mutated.name}' taken before it ({', '.join(late)}) are read after it"
-        if reason is None:
+        if reason is None and not is_copy:
             reason = _twin_mismatch(node, twin)
         if reason is not None:
             node.meta[INPLACE_REFUSAL] = reason
             continue
         with graph.inserting_before(node):
-            new = graph.create_node("call_function", twin, node.args, dict(node.kwargs),
-                                    name=f"{node.name.rstrip('_')}_functional")
+            if is_copy:
+                new = _copy_as_differentiable_ops(graph, node, mutated)
+            else:
+                new = graph.create_node("call_function", twin, node.args, dict(node.kwargs),
+                                        name=f"{node.name.rstrip('_')}_functional")
         new.meta = dict(node.meta)
         order[new] = order[node]
         later = [u for u in mutated.users if u is not node and u is not new and order[u] > order[node]]

@@ -87,6 +87,21 @@ def test_mutated_value_used_before_the_mutation_keeps_its_old_value():
     torch.testing.assert_close(_run(graph, x), fn(None, x))
 
 
+def test_copy_into_a_fresh_value_becomes_differentiable_ops():
+    def fn(m, x, y):
+        buf = torch.empty(4, 8, dtype=torch.float64, device=x.device)
+        buf.copy_(y)                 # broadcast and cast: aten.copy has no autograd formula
+        return (buf * x).float()
+
+    x, y = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    graph = capture(Fn(fn), (x, y))
+    assert _inplace_targets(graph) == [] and "aten.copy.default" not in graph.summary()
+    got = _run(graph, x, y)
+    torch.testing.assert_close(got, fn(None, x, y))
+    (gy,) = torch.autograd.grad(got.sum(), [y])
+    torch.testing.assert_close(gy, x.sum(0).detach())
+
+
 @pytest.mark.parametrize("case", ["view", "split_piece", "late_view", "user_input", "promotes"])
 def test_inplace_ops_that_cannot_be_rewritten_are_refused_by_name_even_with_fallback(case):
     def view(m, x):

@@ -36,6 +36,9 @@ CASES: dict[str, tuple] = {
                      lambda: (_x(4, 8, grad=False) * 10, _x(8, grad=False).abs() + 0.5), {0, 1}),
     "floor_divide_int": (aten.floor_divide.default, lambda m, i: torch.floor_divide(i, 3),
                          lambda: (torch.randint(0, 50, (4, 8)),), {0, 1}),
+    # aten.copy has no autograd formula (capture writes copy_ with differentiable ops instead)
+    "copy_bcast": (aten.copy.default, lambda m, x, y: aten.copy.default(x * 2, y),
+                   lambda: (_x(4, 8, 4, grad=False), _x(8, 1, grad=False)), {0, 1, 2}),
     "topk_last": (aten.topk.default, lambda m, x: torch.topk(x, 3, dim=-1), lambda: (_x(4, 8, 8),), {0, 1}),
     "topk_mid_smallest": (aten.topk.default, lambda m, x: torch.topk(x, 2, dim=1, largest=False),
                           lambda: (_x(4, 8, 4),), {0, 2}),

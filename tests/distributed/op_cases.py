@@ -84,6 +84,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
                       lambda: (_x(4, 8), _x(4, 8))),
     "floor_divide": (lambda: Fn(lambda m, x, i: x * torch.floor_divide(i, 3).to(x.dtype)),
                      lambda: (_x(4, 8), _i(50, 4, 8))),
+    "copy_inplace": (lambda: Fn(lambda m, x, y: torch.empty_like(x).copy_(y) * x), lambda: (_x(4, 8), _x(8))),
     "topk": (lambda: Fn(lambda m, x: torch.topk(x * m.w, 3, dim=-1), w=_p(8)), lambda: (_x(4, 4, 8),)),
     "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
     "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
