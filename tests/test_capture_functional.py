@@ -102,11 +102,46 @@ def test_copy_into_a_fresh_value_becomes_differentiable_ops():
     torch.testing.assert_close(gy, x.sum(0).detach())
 
 
-@pytest.mark.parametrize("case", ["view", "split_piece", "late_view", "user_input", "promotes"])
-def test_inplace_ops_that_cannot_be_rewritten_are_refused_by_name_even_with_fallback(case):
-    def view(m, x):
+def test_writes_into_views_are_scattered_back_into_their_base():
+    """Hugging Face's shift_tokens_right (encoder-decoders), and a float version with gradients."""
+    def shift(m, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 7
+        shifted.masked_fill_(shifted == 3, 0)
+        return shifted
+
+    def write(m, x, v):
         y = x * 2
-        y[:, 0] = 0.0                # copy_/fill_ into a view: the base changes too
+        y[:, 1:3] = v                      # slice + copy_ (broadcast v)
+        y.view(4, 2, 4)[:, 0].mul_(0.5)    # view -> select -> mul_
+        y.t()[0].add_(1.0)                 # t -> select -> add_
+        y.unsqueeze(0).permute(2, 0, 1)[1:3].sub_(1.0)   # unsqueeze -> permute -> slice -> sub_
+        return y * x
+
+    ids = torch.randint(0, 5, (4, 8))
+    graph = capture(Fn(shift), (ids,))
+    assert _inplace_targets(graph) == []
+    assert {"aten.slice_scatter.default", "aten.select_scatter.default"} <= set(graph.summary())
+    assert torch.equal(_run(graph, ids), shift(None, ids))
+    enumerate_strategies(graph)
+
+    x, v = torch.randn(4, 8, requires_grad=True), torch.randn(2, requires_grad=True)
+    graph = capture(Fn(write), (x, v))
+    assert _inplace_targets(graph) == []
+    got, want = _run(graph, x, v), write(None, x, v)
+    torch.testing.assert_close(got, want)
+    w = torch.randn(4, 8)
+    torch.testing.assert_close(torch.autograd.grad((got * w).sum(), [x, v]),
+                               torch.autograd.grad((want * w).sum(), [x, v]))
+    enumerate_strategies(graph)
+
+
+@pytest.mark.parametrize("case", ["unbind_piece", "split_piece", "late_view", "late_view_of_view_write", "user_input", "promotes"])
+def test_inplace_ops_that_cannot_be_rewritten_are_refused_by_name_even_with_fallback(case):
+    def unbind_piece(m, x):
+        y = x * 2
+        y.unbind(0)[1].add_(1.0)     # no inverse for unbind here: the base would change too
         return y
 
     def split_piece(m, x):
@@ -121,6 +156,12 @@ def test_inplace_ops_that_cannot_be_rewritten_are_refused_by_name_even_with_fall
         y.add_(1.0)
         return v * 2                 # the view sees the mutation
 
+    def late_view_of_view_write(m, x):
+        y = x * 2
+        v = y.view(-1)
+        y[:, 0] = 1.0                # select + fill_: y's storage, which v shares, changes
+        return v * 2
+
     def user_input(m, x):
         x.mul_(2.0)
         return x * 1.0
@@ -130,7 +171,8 @@ def test_inplace_ops_that_cannot_be_rewritten_are_refused_by_name_even_with_fall
         h.add_(x)                    # stays float16; add() would give float32
         return h.float()
 
-    fn = {"view": view, "split_piece": split_piece, "late_view": late_view, "user_input": user_input,
+    fn = {"unbind_piece": unbind_piece, "split_piece": split_piece, "late_view": late_view,
+          "late_view_of_view_write": late_view_of_view_write, "user_input": user_input,
           "promotes": promotes}[case]
     x = torch.randn(4, 8)
     graph = capture(Fn(fn), (x,))

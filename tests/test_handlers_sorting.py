@@ -1,4 +1,5 @@
-"""Handlers for topk/sort, histc, repeat_interleave, min/max.other and floor_divide: rules, and
+"""Handlers for topk/sort, histc, repeat_interleave, min/max.other, floor_divide, copy/fill and
+slice_scatter/select_scatter: rules, and
 every strategy simulated on real values (2x2, 1x4, 4x1 meshes)."""
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ CASES: dict[str, tuple] = {
     # aten.copy has no autograd formula (capture writes copy_ with differentiable ops instead)
     "copy_bcast": (aten.copy.default, lambda m, x, y: aten.copy.default(x * 2, y),
                    lambda: (_x(4, 8, 4, grad=False), _x(8, 1, grad=False)), {0, 1, 2}),
+    "fill": (aten.fill.Tensor, lambda m, x, v: aten.fill.Tensor(x * 2, v),
+             lambda: (_x(4, 8, grad=False), _x(grad=False)), {0, 1}),
+    "slice_scatter": (aten.slice_scatter.default,
+                      lambda m, x, v: aten.slice_scatter.default(x, v, 1, 2, 6),
+                      lambda: (_x(4, 8, 4), _x(4, 4, 4)), {0, 2}),
+    "select_scatter": (aten.select_scatter.default,
+                       lambda m, x, v: aten.select_scatter.default(x, v, 2, 1),
+                       lambda: (_x(4, 8, 4), _x(4, 8)), {0, 1}),
     "topk_last": (aten.topk.default, lambda m, x: torch.topk(x, 3, dim=-1), lambda: (_x(4, 8, 8),), {0, 1}),
     "topk_mid_smallest": (aten.topk.default, lambda m, x: torch.topk(x, 2, dim=1, largest=False),
                           lambda: (_x(4, 8, 4),), {0, 2}),

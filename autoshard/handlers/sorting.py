@@ -9,8 +9,8 @@ binary ops that select or round (``min.other``/``max.other``, ``floor_divide``).
   of its shard into the same bins, so the histogram of ``x`` sharded on any dim is the sum of the
   local ones: a partial output, resolved by an all-reduce. With ``min == max`` the range is taken
   from the data (each shard would pick its own), so it is replicate-only.
-- ``min.other``/``max.other``/``floor_divide``, and ``copy`` (what capture makes of a ``copy_``
-  into a fresh value): broadcasting elementwise, the pointwise rule
+- ``min.other``/``max.other``/``floor_divide``, and ``copy``/``fill`` (what capture makes of a
+  ``copy_``/``fill_``): broadcasting elementwise, the pointwise rule
   (:func:`autoshard.handlers.pointwise.broadcast_rules`) applies unchanged.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ register(*BINARY_SELECT_OPS, family="pointwise",
              "that carry it (broadcast dims replicated)")(broadcast_rules)
 
 
-register(aten.copy.default, family="pointwise",
-         doc="copy(self, src) (an out-of-place copy_): src broadcast into self's shape and dtype, "
-             "shard any output dim with the operands that carry it")(broadcast_rules)
+register(aten.copy.default, aten.fill.Scalar, aten.fill.Tensor, family="pointwise",
+         doc="copy(self, src)/fill(self, value) (out-of-place copy_/fill_): src broadcast into self's "
+             "shape and dtype, shard any output dim with the operands that carry it")(broadcast_rules)
 
 
 SORT_OPS = (aten.topk.default, aten.sort.default, aten.sort.stable)

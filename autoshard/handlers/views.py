@@ -323,6 +323,21 @@ def select_rules(op: OpInfo) -> list[AxisOption]:
     return pair_options(_other_dims(ndim, norm_dim(bound_args(op)["dim"], ndim), shift=-1))
 
 
+@register(aten.slice_scatter.default, aten.select_scatter.default, family="view",
+          doc="slice_scatter/select_scatter(x, src, dim, ...): the written dim stays replicated; "
+              "x and src sharded alike on the others")
+def scatter_into_view_rules(op: OpInfo) -> list[AxisOption]:
+    """slice_scatter(x, src, dim, start, end, step) / select_scatter(x, src, dim, index): ``x`` with
+    a slice (a selected index) of ``dim`` replaced by ``src`` (what capture makes of a write into a
+    view, ``x[:, 1:] = v``). Every other dim of x is src's matching dim (one fewer for select), so
+    a device writes its block of src into its block of x."""
+    ndim = len(op.shape(0))
+    dim = norm_dim(bound_args(op)["dim"], ndim)
+    shift = -1 if op.target is aten.select_scatter.default else 0
+    return [AxisOption((d, o), (d,), f"d{d}") for d, o in _other_dims(ndim, dim, shift)
+            if op.shape(0)[d] > 1]
+
+
 @register(aten.index_select.default, family="index",
           doc="index_select: shard a dim other than dim, or shard the index (x replicated)")
 def index_select_rules(op: OpInfo) -> list[AxisOption]:

@@ -35,6 +35,14 @@ def _no_grad_center(m, x):
     return x - mean
 
 
+def _write_into_views(m, x):
+    """capture: slice + copy_ -> slice_scatter, select + mul_ -> select_scatter"""
+    y = x * 2
+    y[:, 2:6] = m.w
+    y[:, :, 1].mul_(0.5)
+    return y
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     # matmul family
     "linear": (lambda: Fn(lambda m, x: m.fc(x), fc=nn.Linear(8, 16)), lambda: (_x(4, 4, 8),)),
@@ -85,6 +93,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "floor_divide": (lambda: Fn(lambda m, x, i: x * torch.floor_divide(i, 3).to(x.dtype)),
                      lambda: (_x(4, 8), _i(50, 4, 8))),
     "copy_inplace": (lambda: Fn(lambda m, x, y: torch.empty_like(x).copy_(y) * x), lambda: (_x(4, 8), _x(8))),
+    "write_into_views": (lambda: Fn(_write_into_views, w=_p(4)), lambda: (_x(4, 8, 4),)),
     "topk": (lambda: Fn(lambda m, x: torch.topk(x * m.w, 3, dim=-1), w=_p(8)), lambda: (_x(4, 4, 8),)),
     "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
     "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
