@@ -299,9 +299,14 @@ def _measure(key: _ProfileKey) -> OpProfile:
         saved.append(t)
         return t
 
+    # Boolean-mask indexing (index_put with a mask: a static output shape) calls nonzero, which
+    # has no size on meta tensors; profile it as if every element were selected (an upper bound).
+    from torch.fx.experimental import _config as fx_config
+
     try:
         with FlopCounterMode(display=False) as fwd_counter, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             result = op.target(*args, **kwargs)
     except Exception as e:  # re-raised with the node's identity
         raise RuntimeError(f"cannot profile {op.describe()} on meta tensors: {e}") from e
@@ -310,7 +315,8 @@ def _measure(key: _ProfileKey) -> OpProfile:
     grad_inputs = [t for t in leaves if t.requires_grad]
     grad_outputs = [t for t in outs if t.requires_grad]
     if grad_inputs and grad_outputs:
-        with FlopCounterMode(display=False) as bwd_counter:
+        with FlopCounterMode(display=False) as bwd_counter, \
+                fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             torch.autograd.grad(grad_outputs, grad_inputs, [torch.ones_like(t) for t in grad_outputs],
                                 allow_unused=True)
         bwd_flops = float(bwd_counter.get_total_flops())

@@ -338,6 +338,33 @@ def scatter_into_view_rules(op: OpInfo) -> list[AxisOption]:
             if op.shape(0)[d] > 1]
 
 
+@register(aten.index_put.default, family="index",
+          doc="index_put(x, indices, values): dims after the indexed ones shard x, values (where it "
+              "carries them) and the output alike; indices replicated")
+def index_put_rules(op: OpInfo) -> list[AxisOption]:
+    """index_put(x, indices, values, accumulate): x with the positions ``indices`` address over its
+    leading dims (one per index tensor, or as many as a boolean mask has) set to (or, accumulating, incremented by) ``values``, which is
+    broadcast against ``x[indices]`` (right-aligned). A trailing dim ``d >= len(indices)`` is
+    whole in every indexed position, so a device updates its block of it from its block of
+    ``values`` (``values`` replicated where it broadcasts along ``d``). What capture makes of
+    ``x[mask] = v`` / ``x.index_put_(...)`` on a computed value."""
+    shape = op.shape(0)
+    k = 0                      # dims of x the indices address: a boolean mask covers its ndim
+    for index in bound_args(op)["indices"]:
+        meta = op.graph.tensor_meta(index) if isinstance(index, fx.Node) else None
+        k += meta.ndim if meta is not None and meta.dtype in (torch.bool, torch.uint8) else 1
+    n = len(op.operands)
+    values = op.shape(n - 1)
+    options = []
+    for d in range(k, len(shape)):
+        if shape[d] <= 1:
+            continue
+        v = len(values) - (len(shape) - d)
+        v_dim = v if v >= 0 and values[v] == shape[d] else None
+        options.append(AxisOption((d, *(None,) * (n - 2), v_dim), (d,), f"d{d}"))
+    return options
+
+
 @register(aten.index_select.default, family="index",
           doc="index_select: shard a dim other than dim, or shard the index (x replicated)")
 def index_select_rules(op: OpInfo) -> list[AxisOption]:

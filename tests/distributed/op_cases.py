@@ -43,6 +43,13 @@ def _write_into_views(m, x):
     return y
 
 
+def _index_put(m, x, i):
+    """capture: index_put_ on a computed value -> index_put"""
+    y = x * 2
+    y[i] = m.w                       # boolean mask over dims 0-1, values broadcast along dim 2
+    return y
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     # matmul family
     "linear": (lambda: Fn(lambda m, x: m.fc(x), fc=nn.Linear(8, 16)), lambda: (_x(4, 4, 8),)),
@@ -94,6 +101,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
                      lambda: (_x(4, 8), _i(50, 4, 8))),
     "copy_inplace": (lambda: Fn(lambda m, x, y: torch.empty_like(x).copy_(y) * x), lambda: (_x(4, 8), _x(8))),
     "write_into_views": (lambda: Fn(_write_into_views, w=_p(4)), lambda: (_x(4, 8, 4),)),
+    "index_put": (lambda: Fn(_index_put, w=_p(4)), lambda: (_x(4, 8, 4), torch.rand(4, 8) > 0.5)),
     "topk": (lambda: Fn(lambda m, x: torch.topk(x * m.w, 3, dim=-1), w=_p(8)), lambda: (_x(4, 4, 8),)),
     "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
     "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
