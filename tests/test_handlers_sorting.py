@@ -118,6 +118,18 @@ def test_histc_sharded_input_gives_partial_counts_all_reduced(exported):
     assert not graph.requires_grad(node)   # histc has no gradient
 
 
+def test_histc_of_integers_runs_on_cpu_through_float64():
+    """A meta capture may hold histc of an int tensor (transformers' MoE routing off CPU); torch's
+    CPU kernel refuses ints, the local kernel counts them exactly."""
+    from autoshard.handlers.sorting import histc_any_dtype
+
+    ids = torch.randint(0, 4, (64,), dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="not implemented for 'Int'"):
+        torch.histc(ids, bins=4, min=0, max=3)
+    got = histc_any_dtype(ids, 4, 0, 3)
+    assert got.dtype == torch.int32 and got.tolist() == torch.bincount(ids, minlength=4).tolist()
+
+
 def test_histc_with_data_range_is_replicate_only():
     graph, _ = export_nodes(Fn(lambda m, x: torch.histc(x.detach(), bins=4)), (_x(4, 8),))
     (only,) = node_strategies(graph, find_node(graph, aten.histc.default), MeshSpec((2, 2)), HW)

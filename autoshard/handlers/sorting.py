@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..opinfo import OpInfo
-from ..strategy import PARTIAL, AxisOption
+from ..strategy import PARTIAL, AxisOption, Strategy
 from .pointwise import broadcast_rules
-from .registry import register
+from .registry import LocalKernel, register
 from .views import bound_args, norm_dim
 
 aten = torch.ops.aten
@@ -54,7 +54,23 @@ def sort_rules(op: OpInfo) -> list[AxisOption]:
     return [AxisOption((d,), (d,) * n_out, f"d{d}") for d, s in enumerate(shape) if d != dim and s > 1]
 
 
-@register(aten.histc.default, family="reduction",
+def histc_any_dtype(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """``torch.histc``, also for integer input on devices whose kernel takes floats only (CPU, MPS).
+
+    A graph captured on meta tensors may hold ``histc`` of an integer tensor (transformers' MoE
+    routing picks ``.int()`` when the device is not CPU/MPS, and meta is neither); on CPU it is
+    computed on the values as float64 (exact for integers below 2**53) and the counts cast back
+    to the input's dtype, which is histc's output dtype."""
+    if x.dtype.is_floating_point or x.device.type not in ("cpu", "mps"):
+        return torch.histc(x, bins, min, max)
+    return torch.histc(x.to(torch.float64), bins, min, max).to(x.dtype)
+
+
+def _histc_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    return LocalKernel(histc_any_dtype, tuple(op.node.args), dict(op.node.kwargs))
+
+
+@register(aten.histc.default, family="reduction", kernel=_histc_kernel,
           doc="histc with an explicit range: shard any dim of the input (partial counts, all-reduced)")
 def histc_rules(op: OpInfo) -> list[AxisOption]:
     """histc(x, bins, min, max): the counts of a shard sum to the counts of x. With min == max
