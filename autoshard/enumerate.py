@@ -130,11 +130,17 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     handler = handler_for(node.target)
     is_fallback = False
     if handler is None:
+        _refuse_inplace(graph, node, path)
         if fallback != "replicate":
+            custom = getattr(node.target, "namespace", "aten") != "aten"
+            hint = (" It is a custom op with no decomposition autoshard can inline: register one "
+                    "(torch._decomp.register_decomposition) so its aten ops are sharded, register a "
+                    "handler (autoshard.handlers.register), or" if custom else
+                    " Add a handler in autoshard/handlers/, or")
             raise UnsupportedOpError(
                 f"no sharding handler for {op_name(node.target)} at node '{node.name}' "
-                f"(module '{path or '<root>'}'). Add a handler in autoshard/handlers/, or pass "
-                f"fallback='replicate' to run this node replicated (it will be reported).")
+                f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
+                f"replicated (it will be reported).")
         is_fallback = True
     op = OpInfo(node, graph, mesh, free=bool(handler and handler.free))
     key = op.signature()
@@ -152,6 +158,21 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
             cache[key] = strategies
     return NodeStrategies(node.name, op_name(node.target), path, strategies,
                           [n.name for n in op.operand_nodes], fallback=is_fallback)
+
+
+def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:
+    """An in-place op that capture left in place (see :func:`autoshard.capture.functionalize_inplace`)
+    cannot run even replicated: it would mutate a resharded copy of its operand, not the value."""
+    from .capture import INPLACE_REFUSAL, _written_arg
+
+    if node.op != "call_function" or _written_arg(node.target) is None:
+        return
+    reason = node.meta.get(INPLACE_REFUSAL, "it is an in-place op with no handler")
+    raise UnsupportedOpError(
+        f"in-place {op_name(node.target)} at node '{node.name}' (module '{path or '<root>'}') could not "
+        f"be made out-of-place: {reason}. Write this line of the model out-of-place (x = x.add(y) "
+        f"instead of x.add_(y) / x += y; torch.where or torch.cat instead of slice assignment). "
+        f"fallback='replicate' cannot run it either: replicated, it would mutate a copy of its operand.")
 
 
 def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,

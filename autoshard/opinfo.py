@@ -239,8 +239,9 @@ def _node_key(op: OpInfo, x: fx.Node) -> tuple:
 
 
 def op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverload):   # aten.add.Tensor, mylib.scale.default
+        namespace, _, name = target._schema.name.partition("::")
+        return f"{namespace}.{name}.{target._overloadname}"
     return getattr(target, "__name__", str(target))
 
 
@@ -282,8 +283,14 @@ def _profile_cached(op: OpInfo) -> OpProfile:
 def _measure(key: _ProfileKey) -> OpProfile:
     op = key.op
     metas = op.operands
-    inputs = [torch.empty(m.shape, dtype=m.dtype, device="meta",
+    leaves = [torch.empty(m.shape, dtype=m.dtype, device="meta",
                           requires_grad=op.operand_requires_grad(j)) for j, m in enumerate(metas)]
+    # An operand the op writes in place (add_, masked_fill_, copy_, ...) is, in the model, an
+    # intermediate value with a grad_fn; a fresh meta tensor requiring grad would be a leaf, which
+    # autograd refuses to mutate. Hand the op a clone (a non-leaf, free under the FLOP counter)
+    # and take gradients with respect to the leaf behind it, as the model's autograd graph does.
+    written = _written_operands(op)
+    inputs = [t.clone() if j in written and t.requires_grad else t for j, t in enumerate(leaves)]
     by_node = dict(zip(op.operand_nodes, inputs))
     args, kwargs = pytree.tree_map(lambda x: _profile_arg(x, by_node), (op.node.args, op.node.kwargs))
     saved: list[torch.Tensor] = []
@@ -292,18 +299,24 @@ def _measure(key: _ProfileKey) -> OpProfile:
         saved.append(t)
         return t
 
+    # Boolean-mask indexing (index_put with a mask: a static output shape) calls nonzero, which
+    # has no size on meta tensors; profile it as if every element were selected (an upper bound).
+    from torch.fx.experimental import _config as fx_config
+
     try:
         with FlopCounterMode(display=False) as fwd_counter, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             result = op.target(*args, **kwargs)
     except Exception as e:  # re-raised with the node's identity
         raise RuntimeError(f"cannot profile {op.describe()} on meta tensors: {e}") from e
     outs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     bwd_flops = 0.0
-    grad_inputs = [t for t in inputs if t.requires_grad]
+    grad_inputs = [t for t in leaves if t.requires_grad]
     grad_outputs = [t for t in outs if t.requires_grad]
     if grad_inputs and grad_outputs:
-        with FlopCounterMode(display=False) as bwd_counter:
+        with FlopCounterMode(display=False) as bwd_counter, \
+                fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             torch.autograd.grad(grad_outputs, grad_inputs, [torch.ones_like(t) for t in grad_outputs],
                                 allow_unused=True)
         bwd_flops = float(bwd_counter.get_total_flops())
@@ -311,6 +324,20 @@ def _measure(key: _ProfileKey) -> OpProfile:
         saved, outs = _fused_attention_saved(args, kwargs, saved, outs)
     return OpProfile(float(fwd_counter.get_total_flops()), bwd_flops,
                      tuple(_classify_saved(saved, inputs, outs)))
+
+
+def _written_operands(op: OpInfo) -> set[int]:
+    """Indices (in ``op.operands``) of the operands the op's schema says it writes to."""
+    schema = getattr(op.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return set()
+    names = [a.name for a in schema.arguments]
+    written_names = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written_nodes = set()
+    for name, value in list(zip(names, op.node.args)) + list(op.node.kwargs.items()):
+        if name in written_names:
+            written_nodes.update(x for x in pytree.tree_leaves(value) if isinstance(x, fx.Node))
+    return {j for j, n in enumerate(op.operand_nodes) if n in written_nodes}
 
 
 def _fused_attention_saved(args: tuple, kwargs: dict, saved: list[torch.Tensor], outs: list[torch.Tensor]

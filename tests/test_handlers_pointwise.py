@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.capture import capture
+from autoshard.capture import CapturedGraph, capture
 from autoshard.enumerate import UnsupportedOpError, node_strategies
 from autoshard.handlers import REGISTRY
 from autoshard.handlers.pointwise import broadcast_rules
@@ -167,7 +167,10 @@ def test_inplace_add_on_an_activation_is_refused():
         x.add_(b)
         return x
 
-    graph, _ = export_nodes(Fn(fn), (_x(4, 4, grad=False), _x(4, 4, grad=False)))
+    # capture makes this add_ out-of-place (tests/test_capture_functional.py); the handler's
+    # refusal is checked on the graph as torch.export gives it
+    module, args = Fn(fn), (_x(4, 4, grad=False), _x(4, 4, grad=False))
+    graph = CapturedGraph(torch.export.export(module, args, strict=False), module, args)
     with pytest.raises(UnsupportedOpError, match="out-of-place"):
         node_strategies(graph, find_node(graph, aten.add_.Tensor), MeshSpec((2, 2)), HW)
 

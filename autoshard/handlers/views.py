@@ -248,6 +248,32 @@ def repeat_rules(op: OpInfo) -> list[AxisOption]:
     return pair_options([(i, i + lead) for i, s in enumerate(shape) if s > 1 and reps[i + lead] == 1])
 
 
+def _repeat_interleave_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """``output_size``, when captured, is rewritten to the local output's size along the
+    repeated dim (or the flat size when ``dim`` is None)."""
+    a = bound_args(op)
+    if a.get("output_size") is None:
+        return default_kernel(op, strategy)
+    local = local_out_shape(op, strategy)
+    dim = a.get("dim")
+    size = math.prod(local) if dim is None else local[norm_dim(dim, len(local))]
+    return LocalKernel(op.target, tuple(op.args), {**op.node.kwargs, "output_size": size})
+
+
+@register(aten.repeat_interleave.self_int, family="view", kernel=_repeat_interleave_kernel,
+          doc="repeat_interleave(x, r, dim): every dim, the repeated one included, stays sharded")
+def repeat_interleave_rules(op: OpInfo) -> list[AxisOption]:
+    """repeat_interleave(x, repeats: int, dim): each element of ``dim`` becomes ``repeats``
+    consecutive ones, so contiguous blocks of ``dim`` map to contiguous blocks of the output
+    (block ``b`` of ``n/k`` elements -> block ``b`` of ``n*r/k``); other dims are untouched. With
+    ``dim=None`` x is flattened first: only the leading dim whose blocks stay contiguous in the
+    flat order (the reshape rule) carries its sharding to the output."""
+    a = bound_args(op)
+    if a.get("dim") is None:
+        return pair_options(reshape_pairs(op.shape(0), (op.operands[0].numel,)))
+    return pair_options(identity_pairs(op))
+
+
 # -- slicing and indexing ------------------------------------------------------------------------
 
 def _other_dims(ndim: int, dim: int, shift: int = 0) -> DimPairs:
@@ -295,6 +321,48 @@ def select_rules(op: OpInfo) -> list[AxisOption]:
     """select(x, dim, index)"""
     ndim = len(op.shape(0))
     return pair_options(_other_dims(ndim, norm_dim(bound_args(op)["dim"], ndim), shift=-1))
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default, family="view",
+          doc="slice_scatter/select_scatter(x, src, dim, ...): the written dim stays replicated; "
+              "x and src sharded alike on the others")
+def scatter_into_view_rules(op: OpInfo) -> list[AxisOption]:
+    """slice_scatter(x, src, dim, start, end, step) / select_scatter(x, src, dim, index): ``x`` with
+    a slice (a selected index) of ``dim`` replaced by ``src`` (what capture makes of a write into a
+    view, ``x[:, 1:] = v``). Every other dim of x is src's matching dim (one fewer for select), so
+    a device writes its block of src into its block of x."""
+    ndim = len(op.shape(0))
+    dim = norm_dim(bound_args(op)["dim"], ndim)
+    shift = -1 if op.target is aten.select_scatter.default else 0
+    return [AxisOption((d, o), (d,), f"d{d}") for d, o in _other_dims(ndim, dim, shift)
+            if op.shape(0)[d] > 1]
+
+
+@register(aten.index_put.default, family="index",
+          doc="index_put(x, indices, values): dims after the indexed ones shard x, values (where it "
+              "carries them) and the output alike; indices replicated")
+def index_put_rules(op: OpInfo) -> list[AxisOption]:
+    """index_put(x, indices, values, accumulate): x with the positions ``indices`` address over its
+    leading dims (one per index tensor, or as many as a boolean mask has) set to (or, accumulating, incremented by) ``values``, which is
+    broadcast against ``x[indices]`` (right-aligned). A trailing dim ``d >= len(indices)`` is
+    whole in every indexed position, so a device updates its block of it from its block of
+    ``values`` (``values`` replicated where it broadcasts along ``d``). What capture makes of
+    ``x[mask] = v`` / ``x.index_put_(...)`` on a computed value."""
+    shape = op.shape(0)
+    k = 0                      # dims of x the indices address: a boolean mask covers its ndim
+    for index in bound_args(op)["indices"]:
+        meta = op.graph.tensor_meta(index) if isinstance(index, fx.Node) else None
+        k += meta.ndim if meta is not None and meta.dtype in (torch.bool, torch.uint8) else 1
+    n = len(op.operands)
+    values = op.shape(n - 1)
+    options = []
+    for d in range(k, len(shape)):
+        if shape[d] <= 1:
+            continue
+        v = len(values) - (len(shape) - d)
+        v_dim = v if v >= 0 and values[v] == shape[d] else None
+        options.append(AxisOption((d, *(None,) * (n - 2), v_dim), (d,), f"d{d}"))
+    return options
 
 
 @register(aten.index_select.default, family="index",

@@ -35,6 +35,21 @@ def _no_grad_center(m, x):
     return x - mean
 
 
+def _write_into_views(m, x):
+    """capture: slice + copy_ -> slice_scatter, select + mul_ -> select_scatter"""
+    y = x * 2
+    y[:, 2:6] = m.w
+    y[:, :, 1].mul_(0.5)
+    return y
+
+
+def _index_put(m, x, i):
+    """capture: index_put_ on a computed value -> index_put"""
+    y = x * 2
+    y[i] = m.w                       # boolean mask over dims 0-1, values broadcast along dim 2
+    return y
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     # matmul family
     "linear": (lambda: Fn(lambda m, x: m.fc(x), fc=nn.Linear(8, 16)), lambda: (_x(4, 4, 8),)),
@@ -79,6 +94,19 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "new_tensor": (lambda: Fn(lambda m, x: x + torch.ones(4, 8, device=x.device)), lambda: (_x(4, 8),)),
     "scalar_tensor": (lambda: Fn(lambda m, x: x * torch.scalar_tensor(3.0, device=x.device)), lambda: (_x(4, 8),)),
     "no_grad_region": (lambda: Fn(_no_grad_center), lambda: (_x(4, 8),)),
+    # ordering, binning and elementwise selection (handlers/sorting.py), repeat_interleave
+    "min_max_other": (lambda: Fn(lambda m, x, y: torch.min(x, y) * torch.max(x, m.w), w=_p(8)),
+                      lambda: (_x(4, 8), _x(4, 8))),
+    "floor_divide": (lambda: Fn(lambda m, x, i: x * torch.floor_divide(i, 3).to(x.dtype)),
+                     lambda: (_x(4, 8), _i(50, 4, 8))),
+    "copy_inplace": (lambda: Fn(lambda m, x, y: torch.empty_like(x).copy_(y) * x), lambda: (_x(4, 8), _x(8))),
+    "write_into_views": (lambda: Fn(_write_into_views, w=_p(4)), lambda: (_x(4, 8, 4),)),
+    "index_put": (lambda: Fn(_index_put, w=_p(4)), lambda: (_x(4, 8, 4), torch.rand(4, 8) > 0.5)),
+    "topk": (lambda: Fn(lambda m, x: torch.topk(x * m.w, 3, dim=-1), w=_p(8)), lambda: (_x(4, 4, 8),)),
+    "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
+    "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
+              lambda: (_x(4, 8),)),
+    "repeat_interleave": (lambda: Fn(lambda m, x: x.repeat_interleave(2, dim=1) * 2), lambda: (_x(4, 4, 4),)),
     # reductions, softmax
     "mean": (lambda: Fn(lambda m, x: x.mean(1)), lambda: (_x(4, 8, 4),)),
     "sum": (lambda: Fn(lambda m, x: x.sum(1)), lambda: (_x(4, 8, 4),)),
