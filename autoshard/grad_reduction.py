@@ -166,34 +166,3 @@ def grad_nodes(graph: "CapturedGraph", operands_of: Callable[[fx.Node], Sequence
         elif node.op == "output":
             out.append(GradNode(node.name, "output", tuple(a.name for a in node.all_input_nodes)))
     return out
-
-
-@dataclass(frozen=True)
-class ScatterStep:
-    """One reduce-scatter of a fused gradient reduction: over mesh ``axis``, on tensor dim ``dim``,
-    of ``nbytes`` per device before scattering (the byte convention of :mod:`autoshard.comm`)."""
-
-    axis: int
-    dim: int
-    nbytes: int
-
-
-def fused_reduce_scatter(bwd_moves: Sequence[tuple[str, int, Sequence[int]]], sync: Axes,
-                         nbytes: int, mesh_shape: Sequence[int]) -> tuple[ScatterStep, ...] | None:
-    """The reduce-scatters that replace a consumer's gradient all-reduce over ``sync`` followed by
-    a resharding whose backward ``bwd_moves`` only split over exactly those axes (the gradient of
-    a ZeRO-3 parameter gathered for its use: all-reduce over every device, then keep this
-    device's block). Reduce-scattering over each split axis in turn sums the partial gradient and
-    keeps the same block, with half the bytes and ring steps of the all-reduce. ``nbytes``: the
-    gradient's bytes per device in the consumer's layout. None when the pattern does not apply."""
-    if not sync or not bwd_moves or any(kind != "split" or len(dims) != 1 for kind, _, dims in bwd_moves):
-        return None
-    axes = [axis for _, axis, _ in bwd_moves if mesh_shape[axis] > 1]
-    if len(set(axes)) != len(axes) or tuple(sorted(axes)) != tuple(sync):
-        return None
-    steps = []
-    for _, axis, dims in bwd_moves:
-        if mesh_shape[axis] > 1:
-            steps.append(ScatterStep(axis, int(dims[0]), nbytes))
-            nbytes //= mesh_shape[axis]
-    return tuple(steps)

@@ -295,7 +295,7 @@ class Plan:
             memory=memory,
             time={k: float(v) for k, v in solution.time.to_dict().items()},
             comm=_comm_entries(nodes.values(), reshards, _recomputed(nodes.values(), decisions, runs),
-                               _partition_gathers(cg, solution), _gradient_collectives(cg, solution)),
+                               _partition_gathers(cg, solution), _gradient_buckets(cg, solution)),
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
                                 int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
@@ -780,36 +780,29 @@ def _recomputed(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict
     return {n for n, (_, d) in _memory_regions(nodes, decisions, runs).items() if d in _RECOMPUTING}
 
 
-GradientCollectives = tuple[frozenset[tuple[str, int]], list[tuple[str, tuple[int, ...], int]]]
-
-
-def _gradient_collectives(cg: "CostGraph", solution: "Solution") -> GradientCollectives:
-    """How the runtime reduces gradients where it differs from the strategies' own collectives:
-    the (node, operand) gradient all-reduces it does not run inline, and what it runs instead
-    ((kind, axes, bytes per device) each): the bucketed parameter-gradient all-reduces
-    (:mod:`autoshard.grad_reduction`) and the reduce-scatters that replace an all-reduce followed
-    by a resharding's splits (:func:`autoshard.solver.ilp.fused_reductions`)."""
-    from .solver.ilp import fused_reductions, gradient_reduction
+def _gradient_buckets(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]:
+    """The gradient all-reduces the runtime leaves to its buckets ((node, operand) pairs) and the
+    bucketed parameter gradients ((axes, bytes per device) each), see :mod:`autoshard.grad_reduction`."""
+    from .solver.ilp import gradient_reduction
 
     reduction = gradient_reduction(cg, solution.choice)
-    fused = fused_reductions(cg, solution.choice)
-    instead: list[tuple[str, tuple[int, ...], int]] = []
+    buckets = []
     for param, axes in reduction.bucketed.items():
         host = cg.node_of[param]
-        instead.append(("all_reduce", axes, int(cg.nodes[host].costs.grads[solution.choice[host]])))
-    for steps in fused.values():
-        instead.extend(("reduce_scatter", (st.axis,), st.nbytes) for st in steps)
-    return reduction.deferred | frozenset(fused), instead
+        buckets.append((axes, int(cg.nodes[host].costs.grads[solution.choice[host]])))
+    return reduction.deferred, buckets
 
 
 def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recomputed: set[str],
-                  gathers: list[tuple[str, list[int], int]], gradients: GradientCollectives) -> list[CommEntry]:
+                  gathers: list[tuple[str, list[int], int]],
+                  grad_buckets: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]
+                  ) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
-    resharding's collective steps, forward and backward, with the gradient all-reduces the runtime
-    runs otherwise replaced by what it runs (``gradients``, see :func:`_gradient_collectives`);
-    plus, phase ``recompute``, what runs again in backward (the forward collectives of the
-    ``recomputed`` nodes, the forward reshardings into them) and the all-gathers of partitioned
-    checkpoints."""
+    resharding's collective steps, forward and backward, the gradient all-reduces left to the
+    buckets counted once per parameter (``grad_buckets``: the skipped (node, operand) pairs and the
+    bucketed gradients); plus, phase ``recompute``, what runs again in backward (the forward
+    collectives of the ``recomputed`` nodes, the forward reshardings into them) and the
+    all-gathers of partitioned checkpoints."""
     totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:
@@ -818,7 +811,7 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         t[1] += 1
 
     resharded = {(r.dst, r.operand) for r in reshards}
-    deferred, instead = gradients
+    deferred, buckets = grad_buckets
     synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         again = node.name in recomputed
@@ -841,8 +834,8 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
                     add(step.kind, [step.axis], phase, step.nbytes)
                     if again and phase == FWD:
                         add(step.kind, [step.axis], RECOMPUTE, step.nbytes)
-    for kind, axes, nbytes in instead:
-        add(kind, axes, BWD, nbytes)
+    for axes, nbytes in buckets:
+        add("all_reduce", axes, BWD, nbytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), phase, n, count)

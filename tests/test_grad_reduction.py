@@ -98,27 +98,3 @@ def test_the_data_parallel_plan_of_gpt2_all_reduces_exactly_the_parameter_gradie
     backward = {tuple(c.axes): c.nbytes for c in plan.comm if c.phase == "bwd" and c.kind == "all_reduce"}
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert backward == {BOTH: param_bytes}
-
-
-# -- a gradient all-reduce followed by a resharding's splits runs as reduce-scatters -------------------
-
-from autoshard.grad_reduction import ScatterStep, fused_reduce_scatter  # noqa: E402
-
-
-def test_all_reduce_then_split_over_the_same_axes_becomes_reduce_scatters():
-    """ZeRO-3: a parameter stored S01 is gathered for its use; its gradient, partial over both axes,
-    was all-reduced over both and split twice: now reduce-scattered over axis 0, then axis 1."""
-    moves = (("split", 0, (0,)), ("split", 1, (0,)))
-    assert fused_reduce_scatter(moves, BOTH, 1024, (2, 2)) == (ScatterStep(0, 0, 1024), ScatterStep(1, 0, 512))
-    assert fused_reduce_scatter((("split", 1, (2,)),), (1,), 96, (2, 4)) == (ScatterStep(1, 2, 96),)
-
-
-@pytest.mark.parametrize("moves,sync", [
-    ((("split", 0, (0,)),), BOTH),                          # partial over axis 1 would remain
-    ((("split", 0, (0,)), ("split", 1, (0,))), (0,)),       # a split over an axis not reduced
-    ((("all_gather", 0, (0,)), ("split", 1, (0,))), BOTH),  # a move that is not a split
-    ((), BOTH),
-    ((("split", 0, (0,)),), ()),
-])
-def test_other_patterns_keep_the_all_reduce(moves, sync):
-    assert fused_reduce_scatter(moves, sync, 1024, (2, 2)) is None

@@ -66,23 +66,10 @@ def random_plan(cg: CostGraph, seed: int, decision: str = "keep") -> tuple[Plan,
 def expected_comm(cg: CostGraph, choice: dict[str, int]) -> Counter:
     """Bytes by (kind, axes, phase), from the cost graph: each CGNode's strategy (merged nodes'
     strategies carry their members' collectives and the resharding between members) and each
-    edge's cheapest resharding, forward and, when gradient flows, backward; the gradient
-    all-reduces the runtime runs otherwise (bucketed, or as reduce-scatters) replaced by what it
-    runs (the distributed tests compare those with the runtime's own counts)."""
-    from autoshard.plans import _gradient_collectives
-    from autoshard.solver.ilp import Solution
-
-    skipped, instead = _gradient_collectives(cg, Solution(choice, {}, None, None, "", 0.0, 0.0, 0.0, 0, 0, ""))
+    edge's cheapest resharding, forward and, when gradient flows, backward."""
     total: Counter = Counter()
-    for kind, axes, nbytes in instead:
-        total[(kind, tuple(axes), "bwd")] += nbytes
     for node in cg.nodes.values():
         for c in node.strategies[choice[node.name]].comm:
-            j = int(c.operand[2:]) if c.operand.startswith("in") else None
-            member = next((m for m in node.members if (m, j) in skipped and any(
-                a is c for a in node.member_strategy(m, choice[node.name]).comm)), None)
-            if c.phase == "bwd" and member is not None:
-                continue
             total[(c.kind, tuple(c.axes), c.phase)] += c.nbytes
     for e in cg.edges:
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]

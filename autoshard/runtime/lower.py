@@ -4,9 +4,7 @@ Every graph node runs its handler's local kernel (:class:`autoshard.handlers.reg
 under the plan's strategy. Around it the generated code inserts, by name:
 
 - ``reshard(x, comm, fwd=..., bwd=...)`` where the producer's output spec differs from the
-  consumer's input spec (the plan's forward moves; the gradient takes the plan's backward moves,
-  or, where those only split over the axes the consumer all-reduces the gradient over, one
-  reduce-scatter per axis instead of both: see ``autoshard.grad_reduction.fused_reduce_scatter``);
+  consumer's input spec (the plan's forward moves; the gradient takes the plan's backward moves);
 - ``sync_grad(x, comm, axes)`` on an operand that is replicated on axes where the computation is
   split (identity forward, gradient all-reduce backward) - except where that partial gradient can
   flow back through replicated computation to parameters, whose gradients are then synchronised
@@ -33,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import CapturedGraph
 from ..enumerate import node_strategies
-from ..grad_reduction import GradReduction, fused_reduce_scatter, grad_nodes, plan_gradient_reduction
+from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel
 from ..mesh import MeshSpec
@@ -231,16 +229,12 @@ class _Lowering:
         if isinstance(value, list):
             value = value[src_output]
         entry = self.reshards.get((node.name, j))
-        axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
         if entry is not None:
             if entry.src != operand.name:
                 raise LoweringError(f"plan reshards operand {j} of node '{node.name}' from '{entry.src}', "
                                     f"but the graph's operand is '{operand.name}': the plan is for another graph")
-            scatter = fused_reduce_scatter(tuple(iter_moves(entry.bwd)), axes, 0, self.comm.mesh_shape)
-            bwd = None if scatter is None else tuple(("reduce_scatter", s.axis, (s.dim,)) for s in scatter)
-            value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn, bwd=bwd)
-            if scatter is not None:      # the gradient all-reduce runs as these reduce-scatters
-                return value
+            value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn)
+        axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
         if axes and (node.name, j) not in self.reduction.deferred:
             if entry is not None:
                 return self.out.call_method("sync_grad", (self._comm(), value, axes))
@@ -304,9 +298,8 @@ class _Lowering:
                                 f"{[str(x) for x in s.input_specs]}, the plan says {entry.inputs}; re-plan")
         return s
 
-    def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False,
-                 bwd: tuple | None = None) -> fx.Node:
-        kwargs = {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd)) if bwd is None else bwd}
+    def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False) -> fx.Node:
+        kwargs = {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))}
         if parameter:
             kwargs["parameter"] = True
         return self.out.create_node("call_method", "reshard", (self._comm(), value), kwargs,

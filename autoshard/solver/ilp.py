@@ -82,11 +82,9 @@ import numpy as np
 import pulp
 
 from ..comm import collective_cost
-from ..grad_reduction import (GradReduction, ScatterStep, fused_reduce_scatter, grad_nodes, live,
-                              plan_gradient_reduction)
-from ..reshard import reshard_plan
+from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..specs import ShardSpec
-from ..strategy import BWD, Strategy, local_bytes
+from ..strategy import BWD, Strategy
 from ..units import format_bytes
 from .costgraph import SYNC_AXES, CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
@@ -1032,84 +1030,41 @@ def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
     return max(total - overlap_fraction(hw) * backward_end, floor)
 
 
-class _Chosen:
-    """The chosen strategy of every graph node under a CostGraph assignment, and which operands
-    read another layout than their producer gives."""
-
-    def __init__(self, cg: CostGraph, choice: dict[str, int]) -> None:
-        self.cg, self.choice = cg, choice
-        self.fx = {n.name: n for n in cg.graph.graph.nodes}
-
-    def strategy(self, node: "fx.Node | str") -> Strategy:
-        name = node if isinstance(node, str) else node.name
-        host = self.cg.node_of[name]
-        return self.cg.nodes[host].member_strategy(name, self.choice[host])
-
-    def producer_spec(self, name: str, j: int) -> ShardSpec | None:
-        """The layout operand ``j`` of ``name`` is produced in (None: not a planned tensor)."""
-        producer = self.cg.table[name].operand_nodes[j]
-        if producer not in self.cg.node_of:
-            return None
-        node = self.fx[name]
-        out = (int(node.args[1]) if node.target is operator.getitem
-               and isinstance(self.cg.graph.tensor_meta(producer), tuple) else 0)
-        return self.strategy(producer).output_specs[out]
-
-    def resharded(self, name: str, j: int) -> bool:
-        wanted = self.strategy(name).input_specs[j]
-        produced = self.producer_spec(name, j)
-        return wanted is not None and produced is not None and produced != wanted
-
-
 def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
     """Which gradients the runtime all-reduces in buckets under ``choice``, and which inline
     all-reduces that spares (:func:`autoshard.grad_reduction.plan_gradient_reduction` on the
     chosen strategy of every graph node)."""
-    chosen = _Chosen(cg, choice)
-    return plan_gradient_reduction(grad_nodes(cg.graph, lambda n: cg.table[n.name].operand_nodes, chosen.strategy,
-                                              chosen.resharded, cg.mesh.shape))
+    graph = cg.graph
+    fx_nodes = {n.name: n for n in graph.graph.nodes}
 
+    def strategy_of(node: "fx.Node | str") -> Strategy:
+        name = node if isinstance(node, str) else node.name
+        host = cg.node_of[name]
+        return cg.nodes[host].member_strategy(name, choice[host])
 
-def fused_reductions(cg: CostGraph, choice: dict[str, int]) -> dict[tuple[str, int], tuple[ScatterStep, ...]]:
-    """(consumer, operand) -> the reduce-scatters the runtime runs instead of the consumer's
-    gradient all-reduce and the resharding's backward splits
-    (:func:`autoshard.grad_reduction.fused_reduce_scatter`)."""
-    chosen = _Chosen(cg, choice)
-    mesh_shape = cg.mesh.shape
-    out = {}
-    for name, node in chosen.fx.items():
-        if node.op != "call_function" or name not in cg.node_of:
-            continue
-        strategy = chosen.strategy(name)
-        for j, operand in enumerate(cg.table[name].operand_nodes):
-            sync = live((a for c in strategy.comm if c.phase == BWD and c.kind == "all_reduce"
-                         and c.operand == f"in{j}" for a in c.axes), mesh_shape)
-            if not sync or not chosen.resharded(name, j):
-                continue
-            src, dst = chosen.producer_spec(name, j), strategy.input_specs[j]
-            meta = cg.graph.tensor_meta(operand)
-            if isinstance(meta, tuple):
-                meta = meta[int(node.args[1])]
-            moves = reshard_plan(dst, src, meta.shape, meta.dtype.itemsize, mesh_shape, cg.hardware).steps
-            nbytes = local_bytes(meta, dst, mesh_shape)
-            steps = fused_reduce_scatter([(m.kind, m.axis, m.dims) for m in moves], sync, nbytes, mesh_shape)
-            if steps is not None:
-                out[(name, j)] = steps
-    return out
+    def resharded(name: str, j: int) -> bool:
+        node = fx_nodes[name]
+        producer = cg.table[name].operand_nodes[j]
+        if producer not in cg.node_of:
+            return False
+        wanted = strategy_of(name).input_specs[j]
+        out = (int(node.args[1]) if node.target is operator.getitem and isinstance(graph.tensor_meta(producer), tuple)
+               else 0)
+        return wanted is not None and strategy_of(producer).output_specs[out] != wanted
+
+    return plan_gradient_reduction(grad_nodes(graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
+                                              resharded, cg.mesh.shape))
 
 
 class GradientSync(NamedTuple):
     """The gradient all-reduces of one assignment, as the runtime runs them.
 
     ``synced``: the parameter gradients synchronised in buckets, in order of first use, each with
-    the backward time at which it is complete. ``inline``: seconds of gradient collectives that
-    run inline in backward but are not in the strategies' ``comm``: parameter-gradient
-    all-reduces that are not bucketed (the strategies price them as bucketed), and the
-    reduce-scatters that replace an all-reduce followed by a resharding's splits
-    (:func:`fused_reductions`). ``deferred``: seconds of the all-reduces that the strategies price
-    inline but the runtime does not run there (left to the buckets, or replaced by
-    reduce-scatters; see :mod:`autoshard.grad_reduction`). ``backward_end``: the backward's length
-    on the compute stream."""
+    the backward time at which it is complete. ``inline``: seconds of the parameter-gradient
+    all-reduces that run inline per use (priced as bucketed by the strategies, so not in their
+    ``comm``). ``deferred``: seconds of the activation-gradient all-reduces that the strategies
+    price inline but the runtime leaves to the buckets (see :mod:`autoshard.grad_reduction`).
+    ``backward_end``: the backward's length on the compute stream."""
 
     synced: list[SyncedGradient]
     inline: float
@@ -1133,7 +1088,6 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
     graph = cg.graph
     fx_nodes = {n.name: n for n in graph.graph.nodes}
     reduction = gradient_reduction(cg, choice)
-    fused = fused_reductions(cg, choice)
     position = {n.name: i for i, n in enumerate(graph.graph.nodes)}
     synced: list[tuple[int, SyncedGradient]] = []
     for param, axes in reduction.bucketed.items():
@@ -1153,11 +1107,7 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
                     continue
                 j = int(a.operand[2:])
                 operand = cg.table[member].operand_nodes[j]
-                if (member, j) in fused:
-                    deferred += 0.0 if a.bucketed else a.cost        # replaced by its reduce-scatters
-                    inline += sum(collective_cost("reduce_scatter", st.nbytes, (st.axis,), cg.mesh.shape,
-                                                  cg.hardware) for st in fused[(member, j)])
-                elif a.bucketed and operand not in reduction.bucketed:
+                if a.bucketed and operand not in reduction.bucketed:
                     inline += a.cost
                 elif not a.bucketed and (member, j) in reduction.deferred:
                     deferred += a.cost

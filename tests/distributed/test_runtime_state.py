@@ -394,3 +394,15 @@ def test_all_gather_along_an_inner_dim_returns_a_contiguous_tensor():
     gathered = comm.all_gather(local, 1, 1, "fwd")
     assert gathered.is_contiguous()
     torch.testing.assert_close(gathered.view(2, 24), whole.view(2, 24))
+
+
+def test_reduce_scatter_sums_and_keeps_this_ranks_block():
+    """MeshComm.reduce_scatter (a resharding move from a partial tensor): the sum over the axis,
+    this rank's block along the dim (it laid its input out in a shape gloo rejects before)."""
+    from autoshard.runtime.collectives import MeshComm
+
+    comm = MeshComm(device_mesh((2, 2)))
+    parts = [torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) * (r + 1) for r in range(2)]
+    for dim in (0, 1):
+        got = comm.reduce_scatter(parts[comm.coord[1]].clone(), 1, dim, "bwd")
+        torch.testing.assert_close(got, (parts[0] + parts[1]).chunk(2, dim)[comm.coord[1]])
