@@ -25,30 +25,17 @@ import autoshard
 from autoshard.plans import Plan
 from autoshard.runtime import capture_meta
 from custom_ops_lib import example as custom_op_example
+from inplace_models import ResidualBlock
 from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
 
 STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        identity = x
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity
-        return torch.relu_(out)
 
 
 class ResidualCNN(nn.Module):
     def __init__(self, c: int = 8, classes: int = 8):
         super().__init__()
         self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(Block(c), Block(c))
+        self.blocks = nn.Sequential(ResidualBlock(c), ResidualBlock(c))
         self.fc = nn.Linear(c, classes)
 
     def forward(self, x, y):
