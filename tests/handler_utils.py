@@ -1,7 +1,8 @@
 """Shared helpers for handler tests: real per-node values, and checking every strategy of a node."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import zlib
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -71,6 +72,24 @@ def find_node(graph: CapturedGraph, target: Any, index: int = 0) -> fx.Node:
     if len(nodes) <= index:
         raise LookupError(f"no node #{index} with target {target} in graph")
     return nodes[index]
+
+
+def case_exporter(wrap: Callable[[Callable], torch.nn.Module] = Fn
+                  ) -> Callable[[dict, str], tuple[CapturedGraph, dict[str, Any], fx.Node]]:
+    """``get(cases, name)``: the graph, values and node of case ``name`` of a case table
+    (``name -> (target op, fn, make_args, ...)``, ``fn`` run as ``wrap(fn)``'s forward), exported
+    once (seeded by name)."""
+    cache: dict[str, tuple] = {}
+
+    def get(cases: dict, case: str) -> tuple[CapturedGraph, dict[str, Any], fx.Node]:
+        if case not in cache:
+            torch.manual_seed(zlib.crc32(case.encode()))
+            target, fn, make = cases[case][:3]
+            graph, values = export_nodes(wrap(fn), make())
+            cache[case] = (graph, values, find_node(graph, target))
+        return cache[case]
+
+    return get
 
 
 def operand_values(op: OpInfo, values: dict[str, Any]) -> list[torch.Tensor]:

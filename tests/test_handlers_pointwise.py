@@ -1,7 +1,6 @@
 """Pointwise, dropout, reduction and softmax handlers: rules, and every strategy simulated."""
 from __future__ import annotations
 
-import zlib
 from typing import Callable
 
 import pytest
@@ -17,7 +16,7 @@ from autoshard.mesh import MeshSpec
 from autoshard.models import build_model
 from autoshard.opinfo import OpInfo
 from autoshard.strategy import FWD, PARTIAL, AxisOption
-from handler_utils import MESHES, check_all_strategies, export_nodes, find_node
+from handler_utils import MESHES, case_exporter, check_all_strategies, export_nodes, find_node
 
 aten = torch.ops.aten
 HW = load_hardware("h100-nvlink")
@@ -103,17 +102,7 @@ POINTWISE_CASES: dict[str, tuple] = {
 
 @pytest.fixture(scope="module")
 def exported():
-    cache: dict = {}
-
-    def get(cases: dict, case: str):
-        if case not in cache:
-            torch.manual_seed(zlib.crc32(case.encode()))
-            target, fn, make = cases[case][:3]
-            graph, values = export_nodes(Fn(fn), make())
-            cache[case] = (graph, values, find_node(graph, target))
-        return cache[case]
-
-    return get
+    return case_exporter(Fn)
 
 
 @pytest.mark.parametrize("case", list(POINTWISE_CASES))

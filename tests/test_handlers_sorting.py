@@ -3,7 +3,6 @@ slice_scatter/select_scatter: rules, and
 every strategy simulated on real values (2x2, 1x4, 4x1 meshes)."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from autoshard.enumerate import node_strategies
 from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
 from autoshard.strategy import FWD
-from handler_utils import MESHES, Fn, check_all_strategies, export_nodes, find_node
+from handler_utils import Fn, MESHES, case_exporter, check_all_strategies, export_nodes, find_node
 
 aten = torch.ops.aten
 HW = load_hardware("h100-nvlink")
@@ -72,22 +71,12 @@ CASES: dict[str, tuple] = {
 
 @pytest.fixture(scope="module")
 def exported():
-    cache: dict = {}
-
-    def get(case: str):
-        if case not in cache:
-            torch.manual_seed(zlib.crc32(case.encode()))
-            target, fn, make = CASES[case][:3]
-            graph, values = export_nodes(Fn(fn), make())
-            cache[case] = (graph, values, find_node(graph, target))
-        return cache[case]
-
-    return get
+    return case_exporter()
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_strategy_simulates(exported, case):
-    graph, values, node = exported(case)
+    graph, values, node = exported(CASES, case)
     want = CASES[case][3]
     for mesh in MESHES:
         strategies = check_all_strategies(graph, node, values, mesh)
@@ -96,7 +85,7 @@ def test_every_strategy_simulates(exported, case):
 
 def test_topk_and_sort_keep_their_dim_replicated(exported):
     for case, dim in (("topk_last", 2), ("topk_mid_smallest", 1), ("sort", 0), ("sort_stable", 1)):
-        graph, _, node = exported(case)
+        graph, _, node = exported(CASES, case)
         ns = node_strategies(graph, node, MeshSpec((2, 2)), HW)
         for s in ns:
             assert not s.input_specs[0].dims[dim], f"{case}: {s.name}"
@@ -106,7 +95,7 @@ def test_topk_and_sort_keep_their_dim_replicated(exported):
 
 
 def test_histc_sharded_input_gives_partial_counts_all_reduced(exported):
-    graph, _, node = exported("histc")
+    graph, _, node = exported(CASES, "histc")
     ns = node_strategies(graph, node, MeshSpec((2, 2)), HW)
     sharded = [s for s in ns if not s.input_specs[0].is_replicated()]
     assert sharded
@@ -137,7 +126,7 @@ def test_histc_with_data_range_is_replicate_only():
 
 
 def test_repeat_interleave_shards_the_repeated_dim_block_for_block(exported):
-    graph, _, node = exported("repeat_interleave")
+    graph, _, node = exported(CASES, "repeat_interleave")
     ns = node_strategies(graph, node, MeshSpec((2, 2)), HW)
     s = ns.by_name("RS01R = RS01R")
     assert s.output_specs[0].dims[1] == (0, 1) and not s.comm
