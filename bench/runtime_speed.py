@@ -16,7 +16,8 @@ machine from other processes hits all configurations alike):
    DTensor style reproduces. Llama has separate ``nn.Linear`` q/k/v projections, so the standard
    DTensor TP plan is exactly the baseline's parameter layouts.
 2. autoshard's solved plan (free optimum for the ``cpu-gloo`` profile) vs
-   ``DistributedDataParallel`` over all 4 ranks (GPT-2 and Llama).
+   ``DistributedDataParallel`` over all 4 ranks (GPT-2 and Llama), both keeping each rank's shard of
+   the logits (``outputs="local"``); one more row gathers GPT-2's logits to every rank (the default).
 3. Runtime overhead: a 1x1 mesh (one rank) running the solved plan vs the plain module.
 
 Run: python bench/runtime_speed.py [--rounds 4] [--steps 4] [--warmup 3] [--no-profile]
@@ -157,7 +158,7 @@ def profile_configs(configs: list[Config], steps: int, barrier, top: int = 25) -
     return out
 
 
-def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int):
+def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int, outputs: str = "global"):
     """Rank 0 solves the plan; every rank gets it (as in examples/train_gpt2.py)."""
     import torch.distributed as dist
 
@@ -167,7 +168,7 @@ def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int):
     box: list[Any] = [None]
     if rank == 0:
         t0 = time.perf_counter()
-        p = autoshard.plan(model, (), kwargs, mesh=mesh_shape, hardware=HARDWARE, baseline=baseline)
+        p = autoshard.plan(model, (), kwargs, mesh=mesh_shape, hardware=HARDWARE, baseline=baseline, outputs=outputs)
         box = [{"plan": p.to_dict(), "seconds": time.perf_counter() - t0}]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, 0)
@@ -182,11 +183,12 @@ def plan_info(plan, seconds: float) -> dict:
             "plan_s": seconds, "summary": plan.summary_lines()}
 
 
-def autoshard_config(name: str, model_key: str, mesh, mesh_shape, baseline, rank: int) -> Config:
+def autoshard_config(name: str, model_key: str, mesh, mesh_shape, baseline, rank: int,
+                     outputs: str = "global") -> Config:
     import autoshard
 
     model, kwargs = build(model_key)
-    plan, seconds = plan_on_rank0(model, kwargs, mesh_shape, baseline, rank)
+    plan, seconds = plan_on_rank0(model, kwargs, mesh_shape, baseline, rank, outputs)
     pm = autoshard.parallelize(model, plan, mesh)
     cfg = Config(name, model_key, pm, kwargs, pm.parameters(), {"plan": plan_info(plan, seconds)})
     with pm.comm.counter.recording() as counter:      # one step: the collectives this rank runs
@@ -252,11 +254,13 @@ def worker_mesh(args) -> dict:
     configs = [
         as_meg, hand,
         as_meg.shared("llama autoshard megatron, AdamW foreach", True),
-        autoshard_config("llama autoshard solved", "llama", mesh, (2, 2), None, rank),
-        autoshard_config("llama autoshard data_parallel", "llama", mesh, (2, 2), "data_parallel", rank),
+        # (2): each rank keeps its shard of the logits, as under DDP (the loss is global either way)
+        autoshard_config("llama autoshard solved", "llama", mesh, (2, 2), None, rank, "local"),
+        autoshard_config("llama autoshard data_parallel", "llama", mesh, (2, 2), "data_parallel", rank, "local"),
         ddp_config("llama DDP", "llama", rank, world),
-        autoshard_config("gpt2 autoshard solved", "gpt2", mesh, (2, 2), None, rank),
-        autoshard_config("gpt2 autoshard data_parallel", "gpt2", mesh, (2, 2), "data_parallel", rank),
+        autoshard_config("gpt2 autoshard solved", "gpt2", mesh, (2, 2), None, rank, "local"),
+        autoshard_config("gpt2 autoshard data_parallel", "gpt2", mesh, (2, 2), "data_parallel", rank, "local"),
+        autoshard_config("gpt2 autoshard solved, global outputs", "gpt2", mesh, (2, 2), None, rank),
         ddp_config("gpt2 DDP", "gpt2", rank, world),
     ]
     setup_s = time.perf_counter() - t0
@@ -350,6 +354,8 @@ def driver(args) -> int:
         ("(2) solved plan vs DDP, 2x2", "llama autoshard solved", "llama DDP", m, None),
         ("(2') autoshard's data_parallel plan vs DDP", "gpt2 autoshard data_parallel", "gpt2 DDP", m, None),
         ("(2') autoshard's data_parallel plan vs DDP", "llama autoshard data_parallel", "llama DDP", m, None),
+        ("(2'') solved plan with the logits gathered to every rank vs DDP", "gpt2 autoshard solved, global outputs",
+         "gpt2 DDP", m, None),
         ("(3) runtime overhead, 1x1", "gpt2 autoshard 1x1", "gpt2 plain module", s, 1.05),
         ("(3) runtime overhead, 1x1", "llama autoshard 1x1", "llama plain module", s, 1.05),
         ("(3) same, both AdamW(foreach=True)", "gpt2 autoshard 1x1, AdamW foreach", "gpt2 plain module, AdamW foreach",
@@ -385,7 +391,9 @@ def driver(args) -> int:
             f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up steps, gloo, "
             "OMP_NUM_THREADS=1, one torchrun launch for the 2x2 rows and one (1 rank) for the 1x1 rows. "
             "(1) uses Llama: HF GPT-2's Conv1D layers are not nn.Linear, which DTensor's Colwise/RowwiseParallel "
-            "require. Models: " + ", ".join(f"{k}: {p} {o}" for k, (p, o) in MODELS.items()) + ".")
+            "require. (2) and (2') plans are made with outputs='local' (each rank keeps its shard of the logits, "
+            "as under DDP; the loss is global); (2'') and (1) gather the outputs (outputs='global', the default). "
+            "Models: " + ", ".join(f"{k}: {p} {o}" for k, (p, o) in MODELS.items()) + ".")
     detail = ["", "Every configuration (rank 0; phases are medians on rank 0's clock without barriers between them, "
               "so a phase includes waiting for the other ranks; collectives: autoshard's own count for one step):", "",
               "| launch | configuration | median ms | min-max ms | fwd / bwd / opt ms | collectives/step | plan "
