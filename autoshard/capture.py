@@ -79,6 +79,17 @@ class _SymbolicShape(Exception):
     """Internal: a node's value has a symbolic size."""
 
 
+def repeated_block(module_path: str) -> tuple[str, int] | None:
+    """``(prefix, index)`` of the repeated block (a ModuleList/Sequential entry) a module path is
+    in: its first numeric component (``model.layers.3.mlp`` -> ``("model.layers", 3)``); None
+    outside any block."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdecimal():
+            return ".".join(parts[:i]), int(part)
+    return None
+
+
 def op_name(node: fx.Node) -> str:
     """Readable, process-stable name of a node's target: ``aten.linear.default``, ``getitem``."""
     target = node.target

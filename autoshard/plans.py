@@ -295,7 +295,8 @@ class Plan:
             memory=memory,
             time={k: float(v) for k, v in solution.time.to_dict().items()},
             comm=_comm_entries(nodes.values(), reshards, _recomputed(nodes.values(), decisions, runs),
-                               _partition_gathers(cg, solution), _gradient_buckets(cg, solution)),
+                               _partition_gathers(cg, solution), _gradient_buckets(cg, solution),
+                               _param_gathers(cg, solution)),
             solver=SolverReport(str(solution.status), float(solution.objective),
                                 float(solution.build_seconds), float(solution.solve_seconds),
                                 int(solution.n_variables), int(solution.n_constraints), str(solution.solver),
@@ -785,24 +786,40 @@ def _gradient_buckets(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[
     bucketed parameter gradients ((axes, bytes per device) each), see :mod:`autoshard.grad_reduction`."""
     from .solver.ilp import gradient_reduction
 
+    from .solver.ilp import param_gathers
+
     reduction = gradient_reduction(cg, solution.choice)
     buckets = []
-    for param, axes in reduction.bucketed.items():
+    for param, axes in {**reduction.bucketed, **param_gathers(cg, solution.choice).leftover()}.items():
         host = cg.node_of[param]
         buckets.append((axes, int(cg.nodes[host].costs.grads[solution.choice[host]])))
     return reduction.deferred, buckets
 
 
+def _param_gathers(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]],
+                                                                   list[tuple[tuple[int, ...], int]]]:
+    """The (node, operand) pairs that read a parameter gathered with its block, and per gather
+    group its mesh axes and bytes per device (see :mod:`autoshard.param_gather`)."""
+    from .param_gather import gathered_bytes
+    from .solver.ilp import param_gathers
+
+    gathers = param_gathers(cg, solution.choice)
+    return gathers.uses, [(g.axes, gathered_bytes(cg.graph, g)) for g in gathers.groups]
+
+
 def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recomputed: set[str],
                   gathers: list[tuple[str, list[int], int]],
-                  grad_buckets: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]
+                  grad_buckets: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]],
+                  param_gathers: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]
                   ) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
     resharding's collective steps, forward and backward, the gradient all-reduces left to the
     buckets counted once per parameter (``grad_buckets``: the skipped (node, operand) pairs and the
-    bucketed gradients); plus, phase ``recompute``, what runs again in backward (the forward
-    collectives of the ``recomputed`` nodes, the forward reshardings into them) and the
-    all-gathers of partitioned checkpoints."""
+    bucketed gradients), the parameters gathered per block (``param_gathers``: the uses they
+    replace, whose resharding and gradient all-reduce do not run, and per group one all-gather
+    forward and one reduce-scatter backward); plus, phase ``recompute``, what runs again in
+    backward (the forward collectives of the ``recomputed`` nodes, the forward reshardings into
+    them) and the all-gathers of partitioned checkpoints."""
     totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:
@@ -812,11 +829,13 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
 
     resharded = {(r.dst, r.operand) for r in reshards}
     deferred, buckets = grad_buckets
+    gathered, groups = param_gathers
     synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         again = node.name in recomputed
         for c in node.collectives:
-            if c.phase == BWD and c.operand.startswith("in") and (node.name, int(c.operand[2:])) in deferred:
+            if c.phase == BWD and c.operand.startswith("in") and (
+                    (node.name, int(c.operand[2:])) in deferred or (node.name, int(c.operand[2:])) in gathered):
                 continue
             shared = _shared_gradient_sync(node, c, resharded)
             if shared is not None:        # consumers of one value share its gradient all-reduce
@@ -827,6 +846,8 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
             if again and c.phase == FWD:
                 add(c.kind, c.axes, RECOMPUTE, c.nbytes)
     for r in reshards:
+        if (r.dst, r.operand) in gathered:
+            continue
         again = r.dst in recomputed
         for phase, steps in ((FWD, r.fwd), (BWD, r.bwd)):
             for step in steps:
@@ -836,6 +857,9 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
                         add(step.kind, [step.axis], RECOMPUTE, step.nbytes)
     for axes, nbytes in buckets:
         add("all_reduce", axes, BWD, nbytes)
+    for axes, nbytes in groups:
+        add("all_gather", axes, FWD, nbytes)
+        add("reduce_scatter", axes, BWD, nbytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), phase, n, count)

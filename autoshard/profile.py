@@ -433,6 +433,19 @@ def _measure_compute(device: torch.device, iters: int, points: int | None) -> di
     return out
 
 
+def _compute_curve(agreed: dict[str, list[float]], key: str) -> ComputeCurve:
+    """The curve of one family: its times made non-decreasing in work (a time above that of a
+    larger size is scheduling noise of ranks sharing cores, clipped to the larger size's time)."""
+    def non_decreasing(times: list[float]) -> tuple[float, ...]:
+        out = list(times)
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return tuple(out)
+
+    return ComputeCurve(tuple(agreed[f"{key}.work"]), non_decreasing(agreed[f"{key}.fwd"]),
+                        non_decreasing(agreed[f"{key}.bwd"]))
+
+
 def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float]]:
     """AdamW step seconds over each parameter list of :data:`OPTIMIZER_PARAMS` (float32)."""
     seconds = []
@@ -557,8 +570,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     flops = {k: 2 * roof.matmul_n**3 / t for k, t in zip(roof.matmul_s, agreed["matmul"])}
     mem_bw = 2 * _COPY_BYTES / agreed["copy"][0]
     host_bw = _COPY_BYTES / agreed["copy"][1] if roof.host_copy_s is not None else mem_bw
-    compute = {dname: {family: ComputeCurve(*(tuple(agreed[f"{dname}.{family}.{f}"]) for f in ("work", "fwd", "bwd")))
-                       for family in COMPUTE_OPS} for dname in _dtypes(device)}
+    compute = {dname: {family: _compute_curve(agreed, f"{dname}.{family}") for family in COMPUTE_OPS}
+               for dname in _dtypes(device)}
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
     overlap = overlap_fraction(*agreed["overlap.seconds"])
     return HardwareProfile(

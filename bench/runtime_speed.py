@@ -18,6 +18,8 @@ machine from other processes hits all configurations alike):
 2. autoshard's solved plan (free optimum for the ``cpu-gloo`` profile) vs
    ``DistributedDataParallel`` over all 4 ranks (GPT-2 and Llama), both keeping each rank's shard of
    the logits (``outputs="local"``); one more row gathers GPT-2's logits to every rank (the default).
+4. autoshard's ``baseline="zero3"`` plan vs torch FSDP2 (``fully_shard`` per transformer block,
+   then the root, over all 4 ranks), both keeping each rank's shard of the logits.
 3. Runtime overhead: a 1x1 mesh (one rank) running the solved plan vs the plain module.
 
 Run: python bench/runtime_speed.py [--rounds 4] [--steps 4] [--warmup 3] [--no-profile]
@@ -210,6 +212,22 @@ def ddp_config(name: str, model_key: str, rank: int, world: int) -> Config:
     return Config(name, model_key, ddp, local, ddp.parameters(), loss_group=dist.group.WORLD)
 
 
+def fsdp2_config(name: str, model_key: str, rank: int, world: int) -> Config:
+    """torch FSDP2: ``fully_shard`` on every transformer block, then on the root, over all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, kwargs = build(model_key)
+    mesh1d = init_device_mesh("cpu", (world,))
+    blocks = model.transformer.h if model_key == "gpt2" else model.model.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh1d)
+    fully_shard(model, mesh=mesh1d)
+    local = {k: v.chunk(world, 0)[rank].contiguous() for k, v in kwargs.items()}
+    return Config(name, model_key, model, local, model.parameters(), loss_group=dist.group.WORLD)
+
+
 def hand_megatron_config(name: str, mesh) -> Config:
     """The Megatron baseline written by hand with DTensor: TP on mesh axis 1, DDP on axis 0 (Llama)."""
     from torch.distributed.tensor import Replicate
@@ -262,6 +280,11 @@ def worker_mesh(args) -> dict:
         autoshard_config("gpt2 autoshard data_parallel", "gpt2", mesh, (2, 2), "data_parallel", rank, "local"),
         autoshard_config("gpt2 autoshard solved, global outputs", "gpt2", mesh, (2, 2), None, rank),
         ddp_config("gpt2 DDP", "gpt2", rank, world),
+        # (4): ZeRO-3 / FSDP, each rank keeping its shard of the logits
+        autoshard_config("llama autoshard zero3", "llama", mesh, (2, 2), "zero3", rank, "local"),
+        fsdp2_config("llama FSDP2", "llama", rank, world),
+        autoshard_config("gpt2 autoshard zero3", "gpt2", mesh, (2, 2), "zero3", rank, "local"),
+        fsdp2_config("gpt2 FSDP2", "gpt2", rank, world),
     ]
     setup_s = time.perf_counter() - t0
     run_rounds(configs, args.warmup, args.rounds, args.steps, barrier)
@@ -356,6 +379,8 @@ def driver(args) -> int:
         ("(2') autoshard's data_parallel plan vs DDP", "llama autoshard data_parallel", "llama DDP", m, None),
         ("(2'') solved plan with the logits gathered to every rank vs DDP", "gpt2 autoshard solved, global outputs",
          "gpt2 DDP", m, None),
+        ("(4) ZeRO-3 plan vs FSDP2 (fully_shard per block), 2x2", "gpt2 autoshard zero3", "gpt2 FSDP2", m, 1.05),
+        ("(4) ZeRO-3 plan vs FSDP2 (fully_shard per block), 2x2", "llama autoshard zero3", "llama FSDP2", m, 1.05),
         ("(3) runtime overhead, 1x1", "gpt2 autoshard 1x1", "gpt2 plain module", s, 1.05),
         ("(3) runtime overhead, 1x1", "llama autoshard 1x1", "llama plain module", s, 1.05),
         ("(3) same, both AdamW(foreach=True)", "gpt2 autoshard 1x1, AdamW foreach", "gpt2 plain module, AdamW foreach",

@@ -211,7 +211,7 @@ def test_baseline_predictions_match_evaluate(name, family):
     cg = graph(name)
     sol = baseline(name, family).solution
     ref = cg.evaluate(sol.choice)
-    assert sol.time.total == pytest.approx(ref.total + sol.time.grad_sync + _inline_change(cg, sol), rel=1e-9)
+    assert sol.time.total == pytest.approx(ref.total + sol.time.grad_sync + _runtime_change(cg, sol), rel=1e-9)
     assert sol.time.recompute == 0 and sol.time.offload == 0
     keep = {seg: "keep" for seg in sol.decisions}
     assert sol.objective == pytest.approx(objective_of(cg, sol.choice, keep, SolverOptions()), rel=1e-6)
@@ -219,13 +219,15 @@ def test_baseline_predictions_match_evaluate(name, family):
     assert sol.memory.activations == ref.saved
 
 
-def _inline_change(cg, sol) -> float:
-    """What the runtime's gradient reduction changes in the inline collectives the strategies price
-    (see ilp.gradient_sync): + the parameter-gradient all-reduces that run inline, - the
-    activation-gradient all-reduces left to the buckets."""
-    from autoshard.solver.ilp import gradient_sync
+def _runtime_change(cg, sol) -> float:
+    """What the runtime changes in the collectives the strategies and edges price: its gradient
+    reduction (see ilp.gradient_sync: + the parameter-gradient all-reduces that run inline, - the
+    activation-gradient all-reduces left to the buckets) and its per-block parameter gathers
+    (+ one all-gather and reduce-scatter per group, - the per-edge reshardings they replace)."""
+    from autoshard.solver.ilp import _gather_seconds, gradient_sync, param_gathers
     sync = gradient_sync(cg, sol.choice)
-    return sync.inline - sync.deferred
+    per_edge, grouped = _gather_seconds(cg, sol.choice, param_gathers(cg, sol.choice))
+    return sync.inline - sync.deferred + grouped - per_edge
 
 
 @pytest.mark.parametrize("family", list(BASELINES))

@@ -19,7 +19,8 @@ from autoshard.models import build_model
 from autoshard.plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
 from autoshard.reshard import reshard_plan
 from autoshard.solver import CostGraph, build_cost_graph
-from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, predict
+from autoshard.param_gather import gathered_bytes
+from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, _gather_seconds, param_gathers, predict
 from autoshard.specs import ShardSpec
 from autoshard.units import format_bytes
 
@@ -66,12 +67,28 @@ def random_plan(cg: CostGraph, seed: int, decision: str = "keep") -> tuple[Plan,
 def expected_comm(cg: CostGraph, choice: dict[str, int]) -> Counter:
     """Bytes by (kind, axes, phase), from the cost graph: each CGNode's strategy (merged nodes'
     strategies carry their members' collectives and the resharding between members) and each
-    edge's cheapest resharding, forward and, when gradient flows, backward."""
+    edge's cheapest resharding, forward and, when gradient flows, backward; where the runtime
+    gathers parameters per block (autoshard.param_gather), one all-gather and one reduce-scatter
+    per group instead of those edges' reshardings and their consumers' gradient all-reduces."""
     total: Counter = Counter()
+    gathers = param_gathers(cg, choice)
     for node in cg.nodes.values():
         for c in node.strategies[choice[node.name]].comm:
             total[(c.kind, tuple(c.axes), c.phase)] += c.nbytes
+        for member in node.members:
+            for c in node.member_strategy(member, choice[node.name]).comm:
+                if c.phase == "bwd" and c.operand.startswith("in") and (member, int(c.operand[2:])) in gathers.uses:
+                    total[(c.kind, tuple(c.axes), c.phase)] -= c.nbytes
+    for group in gathers.groups:
+        for kind, phase in (("all_gather", "fwd"), ("reduce_scatter", "bwd")):
+            total[(kind, group.axes, phase)] += gathered_bytes(cg.graph, group)
+        for p in group.params:
+            if p.leftover:
+                host = cg.node_of[p.name]
+                total[("all_reduce", p.leftover, "bwd")] += int(cg.nodes[host].costs.grads[choice[host]])
     for e in cg.edges:
+        if (e.dst_member, e.operand) in gathers.uses:
+            continue
         a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
         src, dst = e.src_specs[a], e.dst_specs[b]
         moves = [("fwd", src, dst, e.nbytes_fwd[a, b])] + ([("bwd", dst, src, e.nbytes_bwd[a, b])] if e.grad else [])
@@ -117,10 +134,14 @@ def test_node_costs_and_reshardings_add_up_to_the_modeled_step_time(merge: bool)
     for name, entry in plan.nodes.items():
         assert entry.strategy == cg.table[name].strategies[graph_choice[name]].name
     assert sum(n.compute_fwd + n.compute_bwd for n in plan.nodes.values()) == pytest.approx(plan.time["compute"])
-    # inline collectives, plus the parameter-gradient all-reduces the runtime cannot bucket
+    # inline collectives, plus the parameter-gradient all-reduces the runtime cannot bucket, plus
+    # the per-block parameter gathers, which replace their uses' reshardings and gradient all-reduces
+    gathers = param_gathers(cg, choice)
+    _, grouped = _gather_seconds(cg, choice, gathers)
     inline = sum(c.cost for n in plan.nodes.values() for c in n.collectives if not c.bucketed)
-    assert inline - 1e-12 <= plan.time["comm"] <= sum(n.comm_seconds for n in plan.nodes.values()) + 1e-12
-    assert sum(r.cost for r in plan.reshards) == pytest.approx(plan.time["reshard"])
+    assert inline - 1e-12 <= plan.time["comm"] <= sum(n.comm_seconds for n in plan.nodes.values()) + grouped + 1e-12
+    assert sum(r.cost for r in plan.reshards if (r.dst, r.operand) not in gathers.uses) == pytest.approx(
+        plan.time["reshard"])
     assert plan.time["comm"] > 0 and plan.time["reshard"] > 0       # the random plan does communicate
     for r in plan.reshards:   # each resharding joins the producer's output spec to the consumer's input spec
         assert plan.nodes[r.src].outputs[r.src_output] == r.src_spec != r.dst_spec
@@ -143,7 +164,8 @@ def test_comm_bytes_equal_strategy_collectives_plus_reshard_steps(name: str, mes
 
 def test_recomputed_segments_count_their_forward_collectives_again() -> None:
     cg = cost_graph("gpt2-tiny", (2, 2))
-    plan, _ = random_plan(cg, seed=3, decision="recompute")
+    plan, choice = random_plan(cg, seed=3, decision="recompute")
+    gathered = param_gathers(cg, choice).uses        # gathered once, before any recomputed region
     again: Counter = Counter()
     for node in plan.nodes.values():
         if node.kind == "call_function" and node.segment is not None:
@@ -151,7 +173,7 @@ def test_recomputed_segments_count_their_forward_collectives_again() -> None:
                 if c.phase == "fwd":
                     again[(c.kind, tuple(c.axes))] += c.nbytes
     for r in plan.reshards:
-        if plan.nodes[r.dst].segment is not None:
+        if plan.nodes[r.dst].segment is not None and (r.dst, r.operand) not in gathered:
             for s in r.fwd:
                 if s.is_collective:
                     again[(s.kind, (s.axis,))] += s.nbytes

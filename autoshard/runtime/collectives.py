@@ -151,6 +151,16 @@ class MeshComm(MeshCoordinates):
         dist.all_gather_single(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)))
         return out
 
+    def reduce_scatter_flat(self, whole: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
+        """Sum ``n`` equal flat blocks over ``axes`` and keep block ``shard index`` (the inverse of
+        :meth:`gather_flat`)."""
+        n = math.prod(self.mesh_shape[a] for a in axes)
+        whole = whole.contiguous().reshape(-1)
+        out = torch.empty(whole.numel() // n, dtype=whole.dtype, device=whole.device)
+        self.counter.add("reduce_scatter", tuple(axes), phase, _nbytes(whole))
+        dist.reduce_scatter_single(out, whole, group=self.group(tuple(axes)))
+        return out
+
     def split(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
         return t.chunk(self.mesh_shape[axis], dim)[self.coord[axis]].contiguous()
 
@@ -217,6 +227,16 @@ class MeshComm(MeshCoordinates):
     def shard_input(self, x: torch.Tensor, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         return shard_input(x, self, dims)
 
+    def gather_params(self, axes: tuple[int, ...], dims: tuple[int, ...], *shards: torch.Tensor
+                      ) -> tuple[torch.Tensor, ...]:
+        """The whole parameters of a gather group (shard ``i`` split on dim ``dims[i]`` over
+        ``axes``): one all-gather forward, one reduce-scatter of their gradients backward (which
+        arrive as partial sums over ``axes``); flagged as parameters for activation offload."""
+        whole = _GatherParams.apply(self, axes, dims, *shards)
+        for t in whole:
+            setattr(t, PARAMETER_FLAG, True)
+        return whole
+
     def __repr__(self) -> str:
         return f"MeshComm(mesh={self.mesh_shape}, coord={self.coord})"
 
@@ -261,6 +281,45 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         return ctx.comm.run_moves(g, ctx.bwd, BWD), None, None, None
+
+
+class _GatherParams(torch.autograd.Function):
+    """Shards -> whole tensors through one flat all-gather; gradients back through one flat
+    reduce-scatter. Rank ``k`` (shard index over ``axes``) holds block ``k`` of each sharded dim, so
+    each shard, its sharded dim moved first and flattened, is one contiguous piece of the whole."""
+
+    @staticmethod
+    def forward(ctx, comm: MeshComm, axes: tuple[int, ...], dims: tuple[int, ...],  # type: ignore[override]
+                *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = math.prod(comm.mesh_shape[a] for a in axes)
+        moved = [s.detach().movedim(d, 0) for s, d in zip(shards, dims)]
+        ctx.comm, ctx.axes, ctx.dims, ctx.n = comm, axes, dims, n
+        ctx.moved_shapes = [m.shape for m in moved]
+        ctx.dtype, ctx.device = moved[0].dtype, moved[0].device
+        blocks = comm.gather_flat(torch.cat([m.reshape(-1) for m in moved]), axes, comm.phase).view(n, -1)
+        out, start = [], 0
+        for m, d in zip(moved, dims):
+            piece = blocks[:, start:start + m.numel()].reshape(n * m.shape[0], *m.shape[1:])
+            out.append(piece.movedim(0, d).contiguous())
+            start += m.numel()
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        n = ctx.n
+        pieces = []
+        for g, shape, d in zip(grads, ctx.moved_shapes, ctx.dims):
+            if g is None:
+                pieces.append(torch.zeros((n, math.prod(shape)), dtype=ctx.dtype, device=ctx.device))
+            else:
+                pieces.append(g.movedim(d, 0).reshape(n, -1))
+        mine = ctx.comm.reduce_scatter_flat(torch.cat(pieces, dim=1), ctx.axes, BWD)
+        out, start = [], 0
+        for shape, d in zip(ctx.moved_shapes, ctx.dims):
+            k = math.prod(shape)
+            out.append(mine[start:start + k].view(shape).movedim(0, d))
+            start += k
+        return (None, None, None, *out)
 
 
 # -- the functions generated code calls ------------------------------------------------------------

@@ -12,7 +12,10 @@ under the plan's strategy. Around it the generated code inserts, by name:
   :mod:`autoshard.runtime.grad_sync` runs the buckets);
 - ``reduce_partial(y, comm, axes)`` on an output that is a pending sum (all-reduce forward,
   identity backward);
-- ``shard_input(x, comm, dims)`` on a user input given as the global batch.
+- ``shard_input(x, comm, dims)`` on a user input given as the global batch;
+- ``gather_params(comm, axes, dims, *shards)`` before the first use of a block's sharded
+  parameters that are read replicated: one all-gather for the block forward, one reduce-scatter
+  of their gradients backward (FSDP's program; :mod:`autoshard.param_gather` decides which).
 
 The graph's placeholders are the original ones (parameters, buffers, user inputs, in order), fed
 with local tensors; the outputs are the original outputs, replicated (global), or, for a plan with
@@ -36,6 +39,7 @@ from ..handlers import handler_for
 from ..handlers.registry import default_kernel
 from ..mesh import MeshSpec
 from ..opinfo import OpInfo
+from ..param_gather import ParamGathers, param_uses, plan_param_gathers
 from ..plans import Plan, PlanError, ReshardEntry
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy
@@ -97,9 +101,12 @@ class _Lowering:
         self.n_consts = 0
         self.cache: dict = {}
         self.reduction = self._gradient_reduction() if bucket_grads else GradReduction()
-        self.bucketed = self.reduction.bucketed
+        self.gathers = self._param_gathers() if bucket_grads else ParamGathers()
+        self.bucketed = {**self.reduction.bucketed, **self.gathers.leftover()}
+        self.gathered: dict[str, fx.Node] = {}   # parameter -> its gathered (whole) value
         self.regions: dict[str, int] = {}      # memory region (segment or selective run) -> region id
         self.region_of = plan.memory_regions()  # graph node -> (region, decision), not-kept nodes only
+        self.gather_before = self._gather_points()
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
         self.output_specs: list[ShardSpec | None] = []
 
@@ -111,6 +118,8 @@ class _Lowering:
             if node.op == "placeholder":
                 placeholders.append(self._placeholder(node))
             elif node.op == "call_function":
+                for group in self.gather_before.get(node.name, ()):   # outside any memory region
+                    self._gather_params(group)
                 last = self.out._root.prev            # the graph's last node before this one's
                 self._call(node)
                 self._annotate_memory(node, last)
@@ -224,6 +233,8 @@ class _Lowering:
         return outs
 
     def _operand(self, node: fx.Node, j: int, operand: fx.Node, strategy: Strategy) -> fx.Node:
+        if (node.name, j) in self.gathers.uses:   # its group's gather; the reduce-scatter sums its gradient
+            return self.gathered[operand.name]
         value = self.env[operand.name]
         src_output = int(node.args[1]) if node.target is operator.getitem else 0
         if isinstance(value, list):
@@ -305,6 +316,30 @@ class _Lowering:
         return self.out.create_node("call_method", "reshard", (self._comm(), value), kwargs,
                                     name=f"{entry.src}_{entry.dst_spec}".lower().replace("+", "p"))
 
+    def _gather_points(self) -> dict[str, list]:
+        """Graph node -> the gather groups to gather just before it: before the group's first use
+        or, where that use is inside a memory region (which must stay one unbroken run of nodes),
+        before the region's first node; the gather then runs once, never again in backward."""
+        region_start: dict[object, str] = {}
+        for node in self.graph.graph.nodes:
+            if node.name in self.region_of:
+                region_start.setdefault(self.region_of[node.name][0], node.name)
+        points: dict[str, list] = {}
+        for group in self.gathers.groups:
+            at = group.first_use
+            if at in self.region_of:
+                at = region_start[self.region_of[at][0]]
+            points.setdefault(at, []).append(group)
+        return points
+
+    def _gather_params(self, group) -> None:
+        """One all-gather of a group's parameter shards (see :mod:`autoshard.param_gather`)."""
+        shards = tuple(self.env[p.name] for p in group.params)
+        dims = tuple(p.dim for p in group.params)
+        whole = self.out.call_method("gather_params", (self._comm(), group.axes, dims, *shards))
+        for j, p in enumerate(group.params):
+            self.gathered[p.name] = self.out.call_function(operator.getitem, (whole, j))
+
     def _comm(self) -> fx.Node:
         if self.comm_node is None:        # created at its first use, so it precedes every use
             self.comm_node = self.out.get_attr("comm")
@@ -343,6 +378,11 @@ class _Lowering:
         nodes = grad_nodes(self.graph, self._operand_names, self._strategy,
                            lambda name, j: (name, j) in self.reshards, self.comm.mesh_shape)
         return plan_gradient_reduction(nodes)
+
+    def _param_gathers(self) -> ParamGathers:
+        stored, uses = param_uses(self.graph, self._operand_names, self._strategy,
+                                  lambda name: self._node_plan(name).output_specs()[0], self.comm.mesh_shape)
+        return plan_param_gathers(stored, uses, self.comm.mesh_shape)
 
     def _operand_names(self, node: fx.Node) -> list[str]:
         strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)

@@ -25,7 +25,8 @@ Families (``mesh_shape`` is 2D; axes of size 1 never shard):
   all-gathered, and the activations move only where a column/row pair needs it.
 - :func:`zero3`: ZeRO-3 / FSDP: every parameter sharded over all devices (``S01`` on dim 0 when
   it divides, else the largest dim that divides, else replicated); inputs batch-sharded over
-  all axes.
+  all axes; every other edge reads its operand as produced, so the computation is data parallel
+  and the parameters are gathered before use (per block, :mod:`autoshard.param_gather`).
 
 Column vs row (Megatron). Known module names decide first (:data:`COLUMN_NAMES`,
 :data:`ROW_NAMES`, matched as a suffix of the module path). For any other linear, the
@@ -37,13 +38,12 @@ hidden state, as do gate/up), and alternate: runs 0, 2, 4, ... are column-parall
 
 Cost-model caveats (quoted in the benchmark notes):
 
-- ZeRO-3's parameter all-gather before use is the resharding on the edge parameter ->
-  consumer (``S01R -> RR``). Gradient sync is modeled as the consumer's all-reduce of its
-  partial weight gradient followed by a free local split back to the shard (``RR -> S01R``),
-  not as a reduce-scatter: the gradient traffic is over-estimated by up to 2x. The backward
-  re-gather of parameters that FSDP does (it frees gathered weights after forward) is not
-  modeled either; in ring terms the two roughly cancel (all-gather + all-reduce = 2 all-gathers
-  + 1 reduce-scatter, FSDP's total), but per phase the split differs.
+- ZeRO-3's parameter all-gather before use is, inside the ILP, the resharding on each edge
+  parameter -> consumer (``S01R -> RR``) with the consumer's gradient all-reduce priced as
+  bucketed. The runtime gathers each block's parameters in one all-gather and reduce-scatters
+  their gradients in one collective (:mod:`autoshard.param_gather`); :func:`predict` and the
+  plan's communication price exactly that. The gathered parameters are kept from forward to
+  backward (no re-gather in backward, unlike FSDP's default ``reshard_after_forward=True``).
 - The gathered (ZeRO-3) or resharded copies of parameters are not counted as memory.
 - "Free" nodes may pick any layout the cost model prices: a baseline is the best member of its
   family, not one particular implementation of it.
@@ -64,7 +64,7 @@ import torch.fx as fx
 
 from ..specs import ShardSpec
 from .costgraph import CGNode, CostGraph, block_of
-from .ilp import InfeasibleBudgetError, SolverOptions, Solution, minimum_budget, solve
+from .ilp import InfeasibleBudgetError, Reshard, SolverOptions, Solution, minimum_budget, solve
 
 __all__ = [
     "BASELINES", "BaselineResult", "best_by_step_model", "COLUMN_NAMES", "ROW_NAMES", "Restriction", "baseline_minimum_budget",
@@ -97,7 +97,7 @@ class Restriction(NamedTuple):
 
     allowed: dict[str, list[int]]
     notes: list[str]
-    reshard: bool = True
+    reshard: Reshard = True
 
 
 class BaselineResult(NamedTuple):
@@ -259,15 +259,21 @@ def _without_internal_resharding(plan: _Plan) -> None:
 # -- ZeRO-3 ------------------------------------------------------------------------------------------
 
 def zero3(cg: CostGraph) -> Restriction:
-    """Every parameter sharded over all devices (dim 0, else the largest dim that divides, else
-    replicated, noted); inputs batch-sharded over every mesh axis of size > 1."""
+    """FSDP's program: every parameter sharded over all devices (dim 0, else the largest dim that
+    divides, else replicated, noted) and gathered before use; inputs batch-sharded over every mesh
+    axis of size > 1; every other edge reads its operand as produced (as for data parallelism), so
+    the computation is batch-sharded throughout and the runtime gathers each block's parameters
+    in one all-gather and reduce-scatters their gradients in one collective
+    (:mod:`autoshard.param_gather`)."""
     plan = _Plan(cg, "zero3")
     axes = _axes(cg.mesh.shape)
-    for node in parameter_nodes(cg):
+    params = parameter_nodes(cg)
+    for node in params:
         _zero3_param(plan, node, axes)
     for node in input_nodes(cg):
         plan.batch_shard(node, axes)
-    return plan.restriction()
+    _without_internal_resharding(plan)
+    return plan.restriction()._replace(reshard=frozenset(node.name for node in params))
 
 
 def _zero3_param(plan: _Plan, node: CGNode, axes: tuple[int, ...]) -> None:

@@ -41,7 +41,6 @@ Shared arrays (cost vectors, index maps, edge matrices) are read-only: identical
 from __future__ import annotations
 
 import operator
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -50,7 +49,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from ..capture import CapturedGraph, TensorMeta
+from ..capture import CapturedGraph, TensorMeta, repeated_block
 from ..enumerate import StrategyTable
 from ..hardware import HardwareProfile
 from ..mesh import MeshSpec
@@ -68,7 +67,6 @@ __all__ = [
 FOLLOWER_FAMILIES = frozenset({"view", "cast", "pointwise", "meta"})
 """Handler families whose single-operand nodes may be merged into their producer."""
 
-_NUMERIC = re.compile(r"\d+")
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -488,11 +486,7 @@ def block_of(graph: CapturedGraph, node: fx.Node) -> tuple[str, int] | None:
         path = ""
     else:
         path = graph.module_path(node)
-    parts = path.split(".") if path else []
-    for i, p in enumerate(parts):
-        if _NUMERIC.fullmatch(p):
-            return ".".join(parts[:i]), int(p)
-    return None
+    return repeated_block(path)
 
 
 def _segment_name(block: tuple[str, int] | None) -> str | None:

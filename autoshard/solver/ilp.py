@@ -83,6 +83,7 @@ import pulp
 
 from ..comm import collective_cost
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
+from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
 from ..specs import ShardSpec
 from ..strategy import BWD, Strategy
 from ..units import format_bytes
@@ -103,6 +104,10 @@ T = 1e6          # ILP time unit: microseconds per second
 M = float(2**30) # ILP memory unit: bytes per GiB
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
 RESHARD_PENALTY = 1e3  # solve(reshard=False): edge resharding weighs this much more than its time
+
+Reshard = bool | frozenset[str]
+"""Where edges may reshard (``solve(reshard=...)``): True everywhere; False nowhere but into the
+graph's outputs (penalised); a set of CGNode names: only out of those nodes and into the outputs."""
 # ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
 # prefer the plain checkpoint then.
 _TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0, "selective": 1.0}
@@ -208,10 +213,10 @@ class _Model:
     """The PuLP problem plus helpers to express per-strategy quantities linearly."""
 
     def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize,
-                 allowed: dict[str, Iterable[int]] | None = None, reshard: bool = True):
+                 allowed: dict[str, Iterable[int]] | None = None, reshard: Reshard = True):
         self.cg = cg
         self.options = options
-        self.reshard = reshard       # False: resharding on edges (but into the outputs) is penalised
+        self.reshard = reshard       # see Reshard: where resharding on edges is not penalised
         self.unreported: list = []   # objective terms left out of the reported objective (tie-breaks)
         self.prob = pulp.LpProblem("autoshard", sense)
         self.x: dict[str, list] = {}              # group key -> list of binaries (or None if fixed)
@@ -335,9 +340,16 @@ def _edge_time_terms(m: _Model) -> list:
                                          for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))
                                          if cost[a, b] != 0.0)
         terms.append(term)
-        if not m.reshard and m.cg.nodes[e.dst].kind != "output":
+        if _penalised(m.reshard, e, m.cg):
             m.unreported.append((RESHARD_PENALTY - 1.0) * term)
     return terms
+
+
+def _penalised(reshard: Reshard, e: CGEdge, cg: CostGraph) -> bool:
+    """Whether resharding on edge ``e`` weighs ``RESHARD_PENALTY`` times its time (see Reshard)."""
+    if reshard is True or cg.nodes[e.dst].kind == "output":
+        return False
+    return reshard is False or e.src not in reshard
 
 
 def _marginals(m: _Model, node: str, index: np.ndarray, n: int) -> list[pulp.LpAffineExpression]:
@@ -815,7 +827,7 @@ def _pulp_solver(options: SolverOptions, msg: bool = False):
 
 
 def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
-          allowed: dict[str, Iterable[int]] | None = None, reshard: bool = True) -> Solution:
+          allowed: dict[str, Iterable[int]] | None = None, reshard: Reshard = True) -> Solution:
     """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget.
 
     ``allowed`` restricts CGNodes to some strategy indices (how baseline plans are expressed:
@@ -823,7 +835,8 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
     node of an alias group applies to the whole group. ``reshard=False`` makes resharding on
     edges (except into the graph's outputs) weigh ``RESHARD_PENALTY`` times its time, so that
     every op reads its operands as produced wherever any plan allows it (the reported objective
-    and times are the plain model's).
+    and times are the plain model's); a set of CGNode names exempts the edges out of those
+    nodes (see :data:`Reshard`).
     """
     t0 = time.perf_counter()
     m, handles = _build(cg, options, allowed, reshard)
@@ -841,7 +854,7 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
 
 
 def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[int]] | None = None,
-           reshard: bool = True) -> tuple[_Model, dict]:
+           reshard: Reshard = True) -> tuple[_Model, dict]:
     """The full model: step-time objective, and the peak-memory row when there is a budget."""
     m = _Model(cg, options, allowed=allowed, reshard=reshard)
     objective_terms = _node_time_terms(m)
@@ -889,7 +902,7 @@ def _status(prob: pulp.LpProblem) -> str:
 
 def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
                    allowed: dict[str, Iterable[int]] | None = None,
-                   reshard: bool = True) -> tuple[float, MemoryPrediction]:
+                   reshard: Reshard = True) -> tuple[float, MemoryPrediction]:
     """The smallest per-device budget any plan meets under ``options``, ``allowed`` and
     ``reshard`` (see :func:`solve`; the ILP's bound on the peak, :attr:`MemoryPrediction.bound`),
     with that plan's memory."""
@@ -904,7 +917,7 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
     return sol.memory.bound, sol.memory
 
 
-def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, reshard: bool = True) -> str:
+def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, reshard: Reshard = True) -> str:
     need, mem = minimum_budget(cg, options, allowed, reshard)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
              "activations": mem.bound - mem.params - mem.grads - mem.optimizer}
@@ -984,9 +997,12 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
             if node.name in post:
                 mem.post_segment += c.saved[s]
     for e in cg.edges:
-        a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
-        t.reshard += e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0)
-    sync = gradient_sync(cg, choice)
+        t.reshard += _edge_seconds(e, choice)
+    gathers = param_gathers(cg, choice)
+    per_edge, grouped = _gather_seconds(cg, choice, gathers)
+    t.reshard -= per_edge
+    t.comm += grouped
+    sync = gradient_sync(cg, choice, gathers)
     t.comm += sync.inline - sync.deferred
     t.grad_sync = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)[0]
     nonsegmented = mem.activations
@@ -1012,8 +1028,28 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
     parameter-gradient all-reduce priced there as if bucketed."""
     t, _ = predict(cg, choice, decisions, options)
-    sync = gradient_sync(cg, choice)
-    return t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
+    gathers = param_gathers(cg, choice)
+    sync = gradient_sync(cg, choice, gathers)
+    per_edge, grouped = _gather_seconds(cg, choice, gathers)
+    return (t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
+            + per_edge - grouped)
+
+
+def _edge_seconds(e: CGEdge, choice: dict[str, int]) -> float:
+    a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+    return float(e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0))
+
+
+def _gather_seconds(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers) -> tuple[float, float]:
+    """What the parameters gathered per block cost: priced per edge (the ILP's terms), and as the
+    runtime runs them (one all-gather and one reduce-scatter per group)."""
+    per_edge = sum(_edge_seconds(e, choice) for e in cg.edges if (e.dst_member, e.operand) in gathers.uses)
+    grouped = 0.0
+    for group in gathers.groups:
+        nbytes = gathered_bytes(cg.graph, group)
+        grouped += sum(collective_cost(kind, nbytes, group.axes, cg.mesh.shape, cg.hardware)
+                       for kind in ("all_gather", "reduce_scatter"))
+    return per_edge, grouped
 
 
 def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
@@ -1056,6 +1092,19 @@ def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
                                               resharded, cg.mesh.shape))
 
 
+def param_gathers(cg: CostGraph, choice: dict[str, int]) -> ParamGathers:
+    """The parameters the runtime all-gathers per block under ``choice`` (one all-gather forward,
+    one reduce-scatter backward per group; :mod:`autoshard.param_gather`)."""
+    def strategy_of(node: "fx.Node | str") -> Strategy:
+        name = node if isinstance(node, str) else node.name
+        host = cg.node_of[name]
+        return cg.nodes[host].member_strategy(name, choice[host])
+
+    stored, uses = param_uses(cg.graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
+                              lambda name: strategy_of(name).output_specs[0], cg.mesh.shape)
+    return plan_param_gathers(stored, uses, cg.mesh.shape)
+
+
 class GradientSync(NamedTuple):
     """The gradient all-reduces of one assignment, as the runtime runs them.
 
@@ -1072,9 +1121,12 @@ class GradientSync(NamedTuple):
     backward_end: float
 
 
-def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
+def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers | None = None) -> GradientSync:
     """How the runtime synchronises gradients under ``choice`` (:func:`plan_gradient_reduction`
-    on the chosen strategies of every graph node), with the backward times the buckets wait for."""
+    on the chosen strategies of every graph node; the parameters gathered per block, ``gathers``
+    (computed when None), have their gradients reduce-scattered, and what is left of their sums
+    bucketed), with the backward times the buckets wait for."""
+    gathers = param_gathers(cg, choice) if gathers is None else gathers
     finish: dict[str, float] = {}
     clock = 0.0
     into: dict[str, list[CGEdge]] = {}
@@ -1090,7 +1142,7 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
     reduction = gradient_reduction(cg, choice)
     position = {n.name: i for i, n in enumerate(graph.graph.nodes)}
     synced: list[tuple[int, SyncedGradient]] = []
-    for param, axes in reduction.bucketed.items():
+    for param, axes in {**reduction.bucketed, **gathers.leftover()}.items():
         users = [u.name for u in fx_nodes[param].users if u.op == "call_function"]
         host = cg.node_of[param]
         meta = graph.tensor_meta(fx_nodes[param])
@@ -1107,6 +1159,8 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int]) -> GradientSync:
                     continue
                 j = int(a.operand[2:])
                 operand = cg.table[member].operand_nodes[j]
+                if (member, j) in gathers.uses:             # summed by its group's reduce-scatter
+                    continue
                 if a.bucketed and operand not in reduction.bucketed:
                     inline += a.cost
                 elif not a.bucketed and (member, j) in reduction.deferred:

@@ -52,9 +52,10 @@ def test_compute_curves_are_finite_positive_and_grow_with_work(prof):
         assert all(b > a for a, b in zip(c.work, c.work[1:])), family
         for phase, times in (("fwd", c.fwd), ("bwd", c.bwd)):
             assert all(math.isfinite(t) and 1e-8 < t < 10 for t in times), (family, phase, times)
-            # monotone-ish: work grows 8-100x per point, time may be flat near the floor but
-            # never halves, and the largest point takes clearly longer than the floor
-            assert all(b > 0.5 * a for a, b in zip(times, times[1:])), (family, phase, times)
+            # work grows 8-100x per point: time never falls (the profile clips a small size's
+            # scheduling noise to the next size's time) and the largest point takes clearly
+            # longer than the floor
+            assert all(b >= a for a, b in zip(times, times[1:])), (family, phase, times)
             assert times[-1] > 1.5 * times[0], (family, phase, times)
         assert prof.op_seconds(family, 0.0, "fwd", "float32") == c.fwd[0]        # the per-op floor
     mm = curves["matmul"]

@@ -45,11 +45,11 @@ def _graph(name: str):
     return _GRAPHS[name]
 
 
-def _plan_on_rank0(name: str, kind: str, mesh_shape) -> Plan:
+def _plan_on_rank0(name: str, kind: str, mesh_shape, hardware: str = "h100-nvlink") -> Plan:
     """Rank 0 plans (h100-nvlink costs, so that the solver shards), every rank gets the same plan."""
     box = [None]
     if dist.get_rank() == 0:
-        plan = autoshard.plan(_graph(name), mesh=mesh_shape, hardware="h100-nvlink",
+        plan = autoshard.plan(_graph(name), mesh=mesh_shape, hardware=hardware,
                               baseline=None if kind == "solved" else kind)
         box = [plan.to_dict()]
     dist.broadcast_object_list(box, 0)
@@ -80,9 +80,9 @@ def _predicted_comm(plan: Plan) -> dict:
     return {(c.kind, tuple(c.axes), c.phase): c.nbytes for c in plan.comm}
 
 
-def _run(name: str, kind: str) -> None:
+def _run(name: str, kind: str, hardware: str = "h100-nvlink") -> Plan:
     mesh_shape = (2, 2)
-    plan = _plan_on_rank0(name, kind, mesh_shape)
+    plan = _plan_on_rank0(name, kind, mesh_shape, hardware)
     model, args, kwargs = _inputs(name)
     reference = copy.deepcopy(model)
     pm = autoshard.parallelize(model, plan, device_mesh(mesh_shape), graph=_graph(name))
@@ -97,9 +97,24 @@ def _run(name: str, kind: str) -> None:
     assert list(full) == list(want), "state dict keys differ from the original model's"
     for key, value in want.items():
         torch.testing.assert_close(full[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+    return plan
 
 
 @pytest.mark.parametrize("kind", PLANS)
 @pytest.mark.parametrize("name", MODELS)
 def test_three_adamw_steps_match_single_device(name, kind):
     on_all_ranks(f"{name} with the {kind} plan", _run, name, kind)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_zero3_gathers_parameters_per_block(name):
+    """Under cpu-gloo costs the ZeRO-3 plan computes batch-sharded, so each block's parameters are
+    all-gathered together and their gradients reduce-scattered together (FSDP's program), exactly."""
+    def run():
+        plan = _run(name, "zero3", "cpu-gloo")
+        counts = {(c.kind, tuple(c.axes), c.phase): c.count for c in plan.comm}
+        blocks = 2 + 1                     # the tiny presets' 2 layers, and the root group
+        assert counts.get(("all_gather", (0, 1), "fwd")) == blocks, plan.comm
+        assert counts.get(("reduce_scatter", (0, 1), "bwd")) == blocks, plan.comm
+
+    on_all_ranks(f"{name} ZeRO-3 gathers per block", run)
