@@ -214,13 +214,13 @@ blocks share one strategy) and the unaliased graph; where the unaliased solve is
 
 {comm_note}
 
-Model caveats: ZeRO-3's parameter all-gather is the edge resharding S01->R before use; gradient
-sync is modeled as the consumer's gradient all-reduce followed by a free local split (not a
-reduce-scatter), which over-estimates ZeRO-3's gradient traffic by up to 2x, while FSDP's backward
-re-gather of parameters is not modeled (in ring terms the two roughly cancel). Gathered parameter
-copies are not counted as memory. GPT-2's 50257-token vocabulary does not divide over the tensor-
-parallel axis, so Megatron keeps its (tied) embedding/LM-head replicated (noted in the JSON), where
-Megatron-LM would pad the vocabulary."""
+Model caveats: inside the ILP, ZeRO-3's parameter all-gather is the edge resharding S01->R before
+each use and its gradient the consumer's bucketed all-reduce; the runtime gathers each block's
+parameters in one all-gather and reduce-scatters their gradients in one collective, and the step
+times here (the plans' `time["total"]`) price that. Gathered parameters are kept from forward to
+backward (no re-gather in backward, unlike FSDP's default) and are not counted as memory. GPT-2's
+50257-token vocabulary does not divide over the tensor-parallel axis, so Megatron keeps its (tied)
+embedding/LM-head replicated (noted in the JSON), where Megatron-LM would pad the vocabulary."""
 
 
 def comm_note(records: list[dict]) -> str:

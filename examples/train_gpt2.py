@@ -3,8 +3,9 @@
     torchrun --nproc_per_node=4 examples/train_gpt2.py --mesh 2x2 --steps 30
     torchrun --nproc_per_node=4 examples/train_gpt2.py --plan plan.json     # a plan from `autoshard plan gpt2-mini`
 
-CPU ranks use gloo, GPUs NCCL (one GPU per rank); the code is the same. Rank 0 solves the plan (or
-loads ``--plan``), every rank receives it, and ``autoshard.parallelize`` checks that all ranks hold
+CPU ranks use gloo, GPUs NCCL (one GPU per rank); the code is the same. Rank 0 solves the plan
+(``autoshard.plan_once``) and every rank receives it (or every rank loads ``--plan``), and
+``autoshard.parallelize`` checks that all ranks hold
 the same plan for the same graph before the first step. The data is a synthetic next-token task
 (each sequence counts up modulo the vocabulary), so the loss visibly falls within a few dozen steps.
 With ``--check`` the same steps run on one device alongside: the largest loss difference is printed
@@ -36,17 +37,15 @@ def batches(vocab: int, batch: int, seq: int, seed: int):
 
 
 def get_plan(args, model, example: dict) -> Plan:
-    box = [None]
+    """The plan file on every rank, or one plan solved on rank 0 and handed to every rank."""
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        plan = autoshard.plan_once(model, kwargs=example, mesh=args.mesh, hardware=args.hardware,
+                                   memory_budget=args.budget, baseline=args.baseline, outputs=args.outputs)
     if dist.get_rank() == 0:
-        if args.plan:
-            plan = Plan.load(args.plan)
-        else:
-            plan = autoshard.plan(model, kwargs=example, mesh=args.mesh, hardware=args.hardware,
-                                  memory_budget=args.budget, baseline=args.baseline, outputs=args.outputs)
         print("\n".join(plan.summary_lines()), flush=True)
-        box = [plan.to_dict()]
-    dist.broadcast_object_list(box, 0)
-    return Plan.from_dict(box[0])
+    return plan
 
 
 def main() -> None:

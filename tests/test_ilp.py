@@ -319,3 +319,21 @@ def test_peak_knows_where_the_rebuilt_segment_sits():
     sol = solve(cg, SolverOptions(memory_budget=int(m_first.bound), fixed_decision=None))
     order = [sol.decisions[s] for s in segments]
     assert order == sorted(order, key=lambda d: d == "keep"), order     # rebuilt blocks come first
+
+
+def test_a_plan_never_exceeds_a_small_budget_within_the_solver_tolerance():
+    """The solvers accept a row violated by their feasibility tolerance (~1 KiB with GiB units):
+    a budget of a few KiB must still hold exactly, or raise."""
+    import autoshard
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    with pytest.raises(InfeasibleBudgetError):
+        autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget="1KiB")
+    for budget in (1500, 2000, 3000, 4096):
+        try:
+            plan = autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget=budget)
+        except InfeasibleBudgetError:
+            continue
+        assert plan.memory["bound"] <= budget, (budget, plan.memory)

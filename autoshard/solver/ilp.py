@@ -838,24 +838,33 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
     and times are the plain model's); a set of CGNode names exempts the edges out of those
     nodes (see :data:`Reshard`).
     """
-    t0 = time.perf_counter()
-    m, handles = _build(cg, options, allowed, reshard)
-    build = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    m.prob.solve(_pulp_solver(options))
-    solve_s = time.perf_counter() - t1
-    status = _status(m.prob)
-    if status not in ("optimal", "feasible"):
-        if options.memory_budget is not None and status == "infeasible":
-            raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed, reshard))
-        raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
-                           "try a longer time_limit or solver='cbc'")
-    return _readout(m, handles, status, build, solve_s)
+    margin = 0.0
+    while True:
+        t0 = time.perf_counter()
+        m, handles = _build(cg, options, allowed, reshard, margin)
+        build = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        m.prob.solve(_pulp_solver(options))
+        solve_s = time.perf_counter() - t1
+        status = _status(m.prob)
+        if status not in ("optimal", "feasible"):
+            if options.memory_budget is not None and status == "infeasible":
+                raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed, reshard))
+            raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
+                               "try a longer time_limit or solver='cbc'")
+        solution = _readout(m, handles, status, build, solve_s)
+        over = 0.0 if options.memory_budget is None else solution.memory.bound - options.memory_budget
+        if over <= 0:
+            return solution
+        # The solver accepts a row violated by up to its feasibility tolerance (1e-6 in GiB units,
+        # ~1 KiB): solve again with the budget row tightened by what it took, until none is.
+        margin += 2 * over
 
 
 def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[int]] | None = None,
-           reshard: Reshard = True) -> tuple[_Model, dict]:
-    """The full model: step-time objective, and the peak-memory row when there is a budget."""
+           reshard: Reshard = True, margin: float = 0.0) -> tuple[_Model, dict]:
+    """The full model: step-time objective, and the peak-memory row when there is a budget (less
+    ``margin`` bytes)."""
     m = _Model(cg, options, allowed=allowed, reshard=reshard)
     objective_terms = _node_time_terms(m)
     objective_terms += _edge_time_terms(m)
@@ -866,7 +875,7 @@ def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[in
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
         for peak in peaks:
-            m.prob += peak <= float(options.memory_budget) / M
+            m.prob += peak <= (float(options.memory_budget) - margin) / M
     handles["peaks"] = peaks                 # the peak is their max
     return m, handles
 

@@ -13,6 +13,7 @@ every rank, and ``train()``/``eval()`` behave as on the original module.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -41,11 +42,7 @@ def _batch(seed: int) -> torch.Tensor:
 
 def _shared_plan(model: nn.Module, **kw) -> autoshard.Plan:
     """Rank 0 plans; every rank gets the same plan."""
-    box: list = [None]
-    if dist.get_rank() == 0:
-        box = [autoshard.plan(model, (_batch(0),), mesh=MESH, hardware="cpu-gloo", baseline="data_parallel", **kw)]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return autoshard.plan_once(model, (_batch(0),), mesh=MESH, hardware="cpu-gloo", baseline="data_parallel", **kw)
 
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -196,3 +193,29 @@ def test_a_rank_that_skips_backward_is_an_error() -> None:
         loss.backward()
     with pytest.raises(ReplicaMismatchError, match=r"rank 3: 1 of 2.*same steps"):
         pm(_batch(2))
+
+
+def test_plan_once_failure_reaches_every_rank():
+    """Planning that fails on rank 0 (a budget no plan fits) raises on every rank, none waits."""
+    def run():
+        model = _model()
+        try:
+            autoshard.plan_once(model, (_batch(0),), mesh=MESH, hardware="cpu-gloo", memory_budget="1KiB")
+        except autoshard.RemotePlanError as e:
+            assert dist.get_rank() != 0 and "planning failed on rank 0" in str(e) and "budget" in str(e), e
+        except autoshard.InfeasibleBudgetError as e:
+            assert dist.get_rank() == 0, e
+        else:
+            raise AssertionError("plan_once accepted a 1 KiB budget")
+
+    on_all_ranks("plan_once with an impossible budget", run)
+
+
+def test_plan_once_gives_every_rank_the_same_plan():
+    def run():
+        plan = _shared_plan(_model())
+        texts = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, json.dumps(plan.to_dict(), sort_keys=True))
+        assert len(set(texts)) == 1
+
+    on_all_ranks("plan_once gives one plan", run)
