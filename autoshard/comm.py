@@ -134,10 +134,11 @@ def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: S
         return 0.0
     if len(active) == 1:
         a = active[0]
-        return _one_axis(kind, mesh_shape[a], hw.axes[a], nbytes)
+        return _one_axis(kind, mesh_shape[a], hw.link(kind, f"axis{a}"), nbytes)
     if len(active) == 2:
         a, b = active
-        return _two_axes(kind, (mesh_shape[a], hw.axes[a]), (mesh_shape[b], hw.axes[b]), nbytes, hw.world)
+        return _two_axes(kind, (mesh_shape[a], hw.link(kind, f"axis{a}")), (mesh_shape[b], hw.link(kind, f"axis{b}")),
+                         nbytes, hw.link(kind, "world"))
     raise ValueError(f"collectives over more than two mesh axes are not modelled, got {tuple(axes)}")
 
 

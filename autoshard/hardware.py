@@ -120,6 +120,17 @@ class HardwareProfile:
     overlap: float | None = None             # fraction of an async all-reduce hidden by compute
     world: LinkModel | None = None           # measured ring over all devices at once (what a
                                              # collective over both mesh axes runs on); None: derived
+    kinds: Mapping[str, Mapping[str, LinkModel]] = field(default_factory=dict)
+    # measured links of collective kinds other than all-reduce (whose links are ``axes`` and
+    # ``world``): kind -> group ("axis0", "axis1", "world") -> link; see :meth:`link`
+
+    def link(self, kind: str, group: str) -> LinkModel | None:
+        """The link a ``kind`` collective runs over on ``group`` (``"axis0"``, ``"axis1"`` or
+        ``"world"``): its own measured link where the profile has one, else the all-reduce's."""
+        own = self.kinds.get(kind, {}).get(group)
+        if own is not None:
+            return own
+        return self.world if group == "world" else self.axes[int(group.removeprefix("axis"))]
 
     def flops_for(self, dtype_name: str) -> float:
         if dtype_name in self.peak_flops:
@@ -210,6 +221,7 @@ class HardwareProfile:
                 optimizer=_optimizer(d),
                 overlap=_overlap(d),
                 world=_world(d),
+                kinds=_kinds(d),
             )
         except KeyError as e:
             raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}; see "
@@ -232,6 +244,8 @@ class HardwareProfile:
                if self.optimizer is not None else {}),
             **({"overlap": self.overlap} if self.overlap is not None else {}),
             **({"world": {"alpha": self.world.alpha, "beta": self.world.beta}} if self.world is not None else {}),
+            **({"kinds": {kind: {g: {"alpha": link.alpha, "beta": link.beta} for g, link in groups.items()}
+                          for kind, groups in self.kinds.items()}} if self.kinds else {}),
             "extra": dict(self.extra),
         }
 
@@ -268,6 +282,36 @@ def _world(d: Mapping) -> LinkModel | None:
         return None
     return LinkModel(_number(d, "world.alpha", value["alpha"], "seconds", zero=True),
                      _number(d, "world.beta", value["beta"], "seconds per byte"))
+
+
+KIND_GROUPS = ("axis0", "axis1", "world")
+"""The groups a collective kind's measured link may be given for (``kinds`` in a profile)."""
+
+
+def _kinds(d: Mapping) -> dict[str, dict[str, LinkModel]]:
+    """``kinds: {all_gather: {world: {alpha, beta}, axis0: ...}, reduce_scatter: ...}``, or {}."""
+    from .comm import KINDS
+
+    value = d.get("kinds") or {}
+    if not isinstance(value, Mapping):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: kinds must map a collective kind to "
+                            f"its measured links, e.g. {{all_gather: {{world: {{alpha: 1e-3, beta: 1e-9}}}}}}")
+    out: dict[str, dict[str, LinkModel]] = {}
+    for kind, groups in value.items():
+        if kind not in KINDS or kind == "all_reduce":
+            raise HardwareError(f"hardware profile {d.get('name', '?')!r}: kinds.{kind} is not a collective kind "
+                                f"with its own link; use one of {', '.join(k for k in KINDS if k != 'all_reduce')} "
+                                "(all-reduce's links are axes and world)")
+        if not isinstance(groups, Mapping) or not set(groups) <= set(KIND_GROUPS):
+            raise HardwareError(f"hardware profile {d.get('name', '?')!r}: kinds.{kind} must map groups "
+                                f"({', '.join(KIND_GROUPS)}) to {{alpha, beta}}, got {groups!r}")
+        out[str(kind)] = {}
+        for group in groups:
+            where = f"kinds.{kind}.{group}"
+            link = _section(d, where, {"alpha": "seconds", "beta": "seconds per byte"}, value=groups[group])
+            out[str(kind)][str(group)] = LinkModel(_number(d, f"{where}.alpha", link["alpha"], "seconds", zero=True),
+                                                   _number(d, f"{where}.beta", link["beta"], "seconds per byte"))
+    return out
 
 
 def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, high: float = math.inf,

@@ -8,7 +8,7 @@ runs is kept, and then the maximum over ranks (the slowest rank sets the pace of
 
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
   sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
-  :func:`_time_all_reduce`) and fits the ring model of :mod:`autoshard.comm`,
+  :func:`_time_collective`) and fits the ring model of :mod:`autoshard.comm`,
   ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on relative error (so the small
   messages that pin down alpha weigh as much as the large ones that pin down beta).
 - **Roofline.** FLOP/s of a large square matmul, memory bandwidth of a large copy (read + write
@@ -84,19 +84,27 @@ def _fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]
     return c0, (sw * swxy - swx * swy) / det
 
 
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], n: int) -> LinkModel:
-    """Alpha-beta link from all-reduce timings on an axis of ``n`` devices (ring model of comm.py)."""
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], n: int, kind: str = "all_reduce",
+                   fallback: LinkModel | None = None) -> LinkModel:
+    """Alpha-beta link from timings of a ``kind`` collective on a group of ``n`` devices (ring model
+    of comm.py: an all-reduce is two rings, the other kinds one). Where the time does not grow with
+    the size (a backend that runs the collective as something else), ``fallback``'s beta is kept
+    and alpha fitted to the times."""
     if n < 2:
         raise ProfileError(f"an axis of {n} device(s) has no communication to fit")
     if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
         raise ProfileError("need timings at two or more distinct message sizes to fit alpha and beta")
     if min(seconds) <= 0:
         raise ProfileError(f"non-positive timing in {list(seconds)}")
+    rings = 2 if kind == "all_reduce" else 1
     c0, c1 = _fit_affine(nbytes, seconds)
+    if c1 <= 0 and fallback is not None:
+        c1 = fallback.beta * rings * (n - 1) / n
+        c0 = statistics.median(t - c1 * b for b, t in zip(nbytes, seconds))
     if c1 <= 0:
-        raise ProfileError(f"all-reduce time does not grow with message size ({list(seconds)} s for "
+        raise ProfileError(f"{kind} time does not grow with message size ({list(seconds)} s for "
                            f"{list(nbytes)} B); measure larger messages (--sizes) or more --iters")
-    return LinkModel(alpha=c0 / (2 * (n - 1)), beta=c1 / (2 * (n - 1) / n))
+    return LinkModel(alpha=max(c0, 0.0) / (rings * (n - 1)), beta=c1 / (rings * (n - 1) / n))
 
 
 def fit_optimizer(n_tensors: Sequence[int], nbytes: Sequence[float], seconds: Sequence[float]) -> OptimizerModel:
@@ -201,15 +209,35 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
 
 
 _ISSUED_RUN_S = 0.05
-"""Seconds per timed run of the loops of :func:`_time_all_reduce`."""
+"""Seconds per timed run of the loops of :func:`_time_collective`."""
 
 
-def _time_all_reduce(group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
+MEASURED_KINDS = ("all_gather", "reduce_scatter")
+"""Collective kinds timed besides the all-reduce, for their own links (a backend may run them quite
+unlike a ring: gloo's reduce-scatter costs about an all-reduce whatever the size)."""
+
+
+def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torch.device) -> Callable[[], None]:
+    """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm`:
+    the gathered output, the scattered input, the reduced buffer) on ``group``."""
+    n = dist.get_world_size(group)
+    whole = torch.ones(max(n, nbytes // 4 // n * n), dtype=torch.float32, device=device)
+    piece = torch.ones(whole.numel() // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(whole, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, piece, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(piece, whole, group=group)
+    raise ProfileError(f"no timing for collective kind {kind!r}")
+
+
+def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
                      iters: int, warmup: int) -> list[float]:
-    """Seconds an all-reduce adds to a step, issued as a step issues its collectives: a loop of a
-    slice of compute and one all-reduce, less the same loop without the all-reduce. Every rank
-    computes between collectives, so each collective pays for waking the ranks that wait in it while
-    the others compute: where ranks share CPU cores that costs milliseconds that a lone
+    """Seconds a ``kind`` collective adds to a step, issued as a step issues its collectives: a loop
+    of a slice of compute and one collective, less the same loop without it. Every rank computes
+    between collectives, so each collective pays for waking the ranks that wait in it while the
+    others compute: where ranks share CPU cores that costs milliseconds that a lone
     barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms)."""
     n = 1024 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device)
@@ -221,11 +249,11 @@ def _time_all_reduce(group: "dist.ProcessGroup", sizes: Sequence[int], device: t
     alone = _median_time(compute, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
     out = []
     for size in sizes:
-        buf = torch.ones(size // 4, dtype=torch.float32, device=device)
+        collective = _collective(kind, size, group, device)
 
         def step() -> None:
             compute()
-            dist.all_reduce(buf, group=group)
+            collective()
 
         with_comm = _median_time(step, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
         out.append(max(with_comm - alone, 0.05 * with_comm))      # noise must not make it vanish
@@ -550,11 +578,11 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     dmesh = init_device_mesh(device.type, mesh.shape, mesh_dim_names=("a0", "a1"))
     measured_axes = [a for a in range(2) if mesh.shape[a] > 1]
     local: dict[str, list[float]] = {}
-    for a in measured_axes:
-        local[f"all_reduce.{a}"] = _time_all_reduce(dmesh.get_group(a), sizes, device, iters, warmup)
     both_axes = len(measured_axes) == 2          # collectives over both axes run on the world group
-    if both_axes:
-        local["all_reduce.world"] = _time_all_reduce(dist.group.WORLD, sizes, device, iters, warmup)
+    groups = {str(a): dmesh.get_group(a) for a in measured_axes} | ({"world": dist.group.WORLD} if both_axes else {})
+    for kind in ("all_reduce", *MEASURED_KINDS):
+        for key, group in groups.items():
+            local[f"{kind}.{key}"] = _time_collective(kind, group, sizes, device, iters, warmup)
     roof = _measure_local(device, iters, warmup)
     local["matmul"] = list(roof.matmul_s.values())
     local["copy"] = [roof.copy_s] + ([roof.host_copy_s] if roof.host_copy_s is not None else [])
@@ -567,6 +595,11 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     ar_times = {a: agreed[f"all_reduce.{a}"] for a in measured_axes}
     links = {a: fit_alpha_beta(nbytes, ar_times[a], mesh.shape[a]) for a in measured_axes}
     world = fit_alpha_beta(nbytes, agreed["all_reduce.world"], mesh.size) if both_axes else None
+    all_reduce_links = {str(a): links[a] for a in measured_axes} | ({"world": world} if both_axes else {})
+    kinds = {kind: {(key if key == "world" else f"axis{key}"): fit_alpha_beta(
+                        nbytes, agreed[f"{kind}.{key}"], mesh.size if key == "world" else mesh.shape[int(key)],
+                        kind=kind, fallback=all_reduce_links[key])
+                    for key in groups} for kind in MEASURED_KINDS}
     flops = {k: 2 * roof.matmul_n**3 / t for k, t in zip(roof.matmul_s, agreed["matmul"])}
     mem_bw = 2 * _COPY_BYTES / agreed["copy"][0]
     host_bw = _COPY_BYTES / agreed["copy"][1] if roof.host_copy_s is not None else mem_bw
@@ -588,12 +621,15 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         optimizer=optimizer,
         overlap=overlap,
         world=world,
+        kinds=kinds,
         extra={"measured": {"backend": dist.get_backend(), "world_size": dist.get_world_size(),
                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": str(torch.__version__),
                             "all_reduce_bytes": nbytes,
                             **{f"all_reduce_seconds_axis{a}": ar_times[a] for a in measured_axes},
                             **({"all_reduce_seconds_world": agreed["all_reduce.world"]} if both_axes else {}),
+                            **{f"{kind}_seconds_{key if key == 'world' else 'axis' + key}": agreed[f"{kind}.{key}"]
+                               for kind in MEASURED_KINDS for key in groups},
                             "compute_sizes": {f: [list(s) if isinstance(s, tuple) else s
                                                   for s in _compute_sizes(f, device, compute_points)]
                                               for f in COMPUTE_OPS},
@@ -632,7 +668,9 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"Axes: all-reduce of {format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, median of {iters} "
         f"runs of {_ISSUED_RUN_S * 1e3:.0f} ms of (compute slice, all-reduce) less the compute alone (as a "
         f"step issues them), max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
-        f"least squares on relative error.",
+        f"least squares on relative error. All-gather and reduce-scatter (kinds) timed the same way on "
+        f"each axis and the all-device group, fitted to one ring, (n-1)*alpha + (n-1)/n*bytes*beta (where "
+        f"the time does not grow with size, the all-reduce's beta and alpha to the times).",
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "

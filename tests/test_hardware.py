@@ -364,6 +364,32 @@ def test_a_measured_world_link_prices_collectives_over_both_axes():
         HardwareProfile.from_dict(bad)
 
 
+def test_measured_links_of_other_collective_kinds_price_those_kinds():
+    """`kinds` gives all-gather / reduce-scatter their own measured links (gloo's reduce-scatter
+    costs about an all-reduce at any size); kinds and groups without one use the all-reduce's."""
+    import dataclasses
+
+    from autoshard.comm import collective_cost
+    from autoshard.hardware import HardwareProfile, LinkModel, load_hardware
+
+    hw = load_hardware("cpu-gloo")
+    slow = LinkModel(alpha=5e-3, beta=1e-9)
+    measured = dataclasses.replace(hw, kinds={"reduce_scatter": {"world": slow, "axis1": slow}})
+    n, nbytes = 4, 2**20
+    assert collective_cost("reduce_scatter", nbytes, (0, 1), (2, 2), measured) == pytest.approx(
+        (n - 1) * slow.alpha + (n - 1) / n * nbytes * slow.beta)
+    assert collective_cost("reduce_scatter", nbytes, (1,), (2, 2), measured) == pytest.approx(
+        slow.alpha + nbytes / 2 * slow.beta)
+    for kind, axes in (("reduce_scatter", (0,)), ("all_gather", (0, 1)), ("all_reduce", (0, 1))):
+        assert collective_cost(kind, nbytes, axes, (2, 2), measured) == collective_cost(kind, nbytes, axes, (2, 2), hw)
+    assert HardwareProfile.from_dict(measured.to_dict()) == measured
+    for kinds, message in (({"all_reduce": {"world": {"alpha": 0, "beta": 1e-9}}}, "kinds.all_reduce"),
+                           ({"all_gather": {"axis7": {"alpha": 0, "beta": 1e-9}}}, "kinds.all_gather"),
+                           ({"all_gather": {"world": {"alpha": 0, "beta": 0}}}, "kinds.all_gather.world.beta")):
+        with pytest.raises(HardwareError, match=message):
+            HardwareProfile.from_dict({**hw.to_dict(), "kinds": kinds})
+
+
 def test_a_profile_without_a_conv_curve_prices_convolutions_on_its_matmul_curve():
     """Profiles measured before `autoshard profile` timed convolutions still price them from measurements."""
     sizes, (build,) = COMPUTE_OPS["conv"]

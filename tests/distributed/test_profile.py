@@ -31,6 +31,10 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
         assert link.alpha >= 0 and link.beta > 0
         assert 1e6 < 1 / link.beta < 1e12, "a bandwidth between 1 MB/s and 1 TB/s"
     assert prof.peak_flops["float32"] > 0 and prof.memory_bandwidth > 0
+    # all-gather and reduce-scatter timed as issued, on each axis and the all-device group
+    assert {k: set(g) for k, g in prof.kinds.items()} == {k: {"axis0", "axis1", "world"}
+                                                           for k in ("all_gather", "reduce_scatter")}
+    assert all(link.alpha >= 0 and link.beta > 0 for g in prof.kinds.values() for link in g.values())
     path = tmp_path_factory.mktemp(f"rank{dist.get_rank()}") / "p.yaml"
     prof.save(path)
     assert load_hardware(path) == prof                 # the measured curves round-trip too
@@ -39,7 +43,8 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
 def test_every_rank_has_the_same_numbers(prof):
     """The max over ranks was agreed collectively: links, roofline, curves, optimizer, overlap."""
     d = prof.to_dict()
-    mine = {k: d[k] for k in ("axes", "peak_flops", "memory_bandwidth", "compute", "optimizer", "overlap")}
+    mine = {k: d[k] for k in ("axes", "world", "kinds", "peak_flops", "memory_bandwidth", "compute", "optimizer",
+                              "overlap")}
     assert all(g == mine for g in _gathered(mine))
 
 
