@@ -226,9 +226,9 @@ def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torc
     if kind == "all_reduce":
         return lambda: dist.all_reduce(whole, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(whole, piece, group=group)
+        return lambda: dist.all_gather_single(whole, piece, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(piece, whole, group=group)
+        return lambda: dist.reduce_scatter_single(piece, whole, group=group)
     raise ProfileError(f"no timing for collective kind {kind!r}")
 
 
@@ -701,8 +701,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="YAML file to write (default: <name>.yaml)")
     parser.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
                         help="comma-separated all-reduce message sizes, e.g. 4KiB,1MiB,16MiB")
-    parser.add_argument("--iters", type=int, default=30, help="timed runs per all-reduce measurement (median kept)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed runs before each all-reduce measurement")
+    parser.add_argument("--iters", type=int, default=30, help="timed runs per collective measurement (median kept)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs before each collective measurement")
     parser.add_argument("--compute-iters", type=int, default=10,
                         help="timed runs per compute/optimizer/overlap measurement, at most (median kept)")
     parser.add_argument("--compute-points", type=int, default=None,

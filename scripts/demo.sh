@@ -10,7 +10,7 @@ scripts/setup.sh
 out="${TMPDIR:-/tmp}/autoshard-demo"
 mkdir -p "$out"
 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=4 --standalone -m autoshard.profile \
-    --mesh 2x2 --name demo-measured --out "$out/profile.yaml"
+    --mesh 2x2 --name demo-measured --iters 15 --out "$out/profile.yaml"
 .venv/bin/autoshard capture gpt2-mini
 .venv/bin/autoshard enumerate gpt2-mini --mesh 2x2 --hardware "$out/profile.yaml" --node linear
 .venv/bin/autoshard plan gpt2-mini --mesh 2x2 --hardware "$out/profile.yaml" --out "$out/plan.json"
