@@ -613,6 +613,39 @@ axes in ``meta[PARTITION_AXES_META]``, and the root module holds the mesh ``comm
 PARTITION_AXES_META = "partition_axes"
 
 
+STATE_META = "module_state"
+"""On placeholders (set by the runtime): the value is module state that ops update in place (a
+buffer such as batch-norm running statistics). A checkpoint region takes such an input by
+reference (:class:`StateRef`) rather than as a saved tensor, whose version check would fail
+once the region has updated it."""
+
+
+class StateRef:
+    """A tensor handed to a checkpoint region by reference (see :data:`STATE_META`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+
+def state_ref(tensor: Any) -> StateRef:
+    return StateRef(tensor)
+
+
+def state_of(ref: StateRef) -> Any:
+    return ref.tensor
+
+
+def update_state_once(fn: Callable[..., Any], state: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; when it runs again in backward (the recomputation of a checkpoint
+    region), the module state at positions ``state`` is handed in as copies, so that in-place
+    updates (running statistics, batch counters) happen once per step, as in the model."""
+    if torch._C._current_graph_task_id() != -1:
+        args = tuple(a.clone() if i in state and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+    return fn(*args, **kwargs)
+
+
 def _clean_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if k not in (CHECKPOINT_META, OFFLOAD_META, PARTITION_META)}
 
@@ -698,6 +731,9 @@ class _GraphBuilder:
         for inp in region.inputs:
             placeholder = sub.graph.placeholder(inp.name)
             placeholder.meta = _clean_meta(inp.meta)
+            if inp.meta.get(STATE_META):
+                placeholder = sub.graph.call_function(state_of, (placeholder,), name=f"{inp.name}_state")
+                placeholder.meta = _clean_meta(inp.meta)
             sub.env[inp] = placeholder
         sub.emit(region.nodes, level + 1)
         outputs = [sub.env[o] for o in region.outputs]
@@ -718,7 +754,8 @@ class _GraphBuilder:
         label = "_".join(str(k) for k in region.key)
         name = self.fresh_attr(f"checkpoint_{label}", self._region_module(region, level))
         fn = self.graph.get_attr(name)
-        args = (fn, *(self.lookup(i) for i in region.inputs))
+        args = (fn, *(self.graph.call_function(state_ref, (self.lookup(i),)) if i.meta.get(STATE_META)
+                      else self.lookup(i) for i in region.inputs))
         # Offloading applies to the outermost region: inner regions' inputs are not kept anyway.
         offload = level == 0 and any(_offload_annotation(n) is True for n in region.nodes)
         call_name = region.outputs[0].name if len(region.outputs) == 1 else f"{name}_out"

@@ -43,8 +43,8 @@ from ..param_gather import ParamGathers, param_uses, plan_param_gathers
 from ..plans import Plan, PlanError, ReshardEntry
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy
-from .activation_codegen import (CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META,
-                                 apply_memory_annotations)
+from .activation_codegen import (CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META, STATE_META,
+                                 apply_memory_annotations, update_state_once)
 from .collectives import MeshComm, iter_moves
 
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format,
@@ -184,6 +184,8 @@ class _Lowering:
             new = self.out.call_method("shard_input", (self._comm(), new, spec.dims))
         if kind == "input":
             self._mark(new, spec)
+        if kind == "buffer":
+            new.meta[STATE_META] = True
         self.env[name] = new
         self.spec_of[name] = spec
         return PlaceholderInfo(name, kind, fqn, spec)
@@ -210,7 +212,13 @@ class _Lowering:
         args, kwargs = self._substitute((kernel.args, kernel.kwargs), local)
         if kernel.uses_comm:
             kwargs = {**kwargs, "comm": self._comm()}
-        result = self.out.create_node("call_function", kernel.target, tuple(args), dict(kwargs), name=node.name)
+        state = tuple(i for i, a in enumerate(kernel.args) if isinstance(a, fx.Node) and a.name in self.graph.buffer_fqn)
+        if state and node.name in self.region_of:     # recomputed in backward: update the buffers once
+            result = self.out.create_node("call_function", update_state_once,
+                                          (self._constant(kernel.target, "kernel"), state, *args), dict(kwargs),
+                                          name=node.name)
+        else:
+            result = self.out.create_node("call_function", kernel.target, tuple(args), dict(kwargs), name=node.name)
         is_tuple = isinstance(self.graph.tensor_meta(node), tuple)
         outs = self._outputs(op, strategy, result, is_tuple)
         if kernel.epilogue is not None:

@@ -132,3 +132,32 @@ def test_budgeted_selective_plan_runs_its_predicted_collectives():
     """On a CPU roofline a 90% budget makes GPT-2's blocks selective: the GELU runs re-run their
     forward (and the collectives into them, phase 'recompute') exactly as the plan predicts."""
     on_all_ranks("gpt2-tiny at 90% on a CPU roofline", _budget_run, "gpt2-tiny", 0.9, CPU_ROOFLINE, "selective")
+
+
+def _batchnorm_run(decision: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = build_model("cnn", device="cpu", batch=BATCH)
+    graph = capture_meta(model, args, kwargs, name="cnn")
+    plan = autoshard.plan_once(graph, mesh=(2, 2), hardware="h100-nvlink", baseline="data_parallel")
+    plan.segments = {segment: decision for segment in plan.segments}
+    reference = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=graph)
+    for step in range(2):
+        got, want = pm(*args, **kwargs), reference(*args, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"output of step {step}: {m}")
+        got.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+    grads = pm.full_grads()
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {key}: {m}")
+    state = pm.state_dict()
+    for key, value in reference.state_dict().items():     # running stats and counters updated once per step
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("decision", ["recompute", "partitioned", "offload"])
+def test_batchnorm_buffers_update_once_under_memory_decisions(decision):
+    """A checkpoint region updates module state in place (batch-norm running statistics and batch
+    counter): the region takes it by reference (a saved tensor's version check would fail) and its
+    recomputation in backward updates copies, so the buffers equal the single-device model's."""
+    on_all_ranks(f"cnn (BatchNorm) with every segment {decision}", _batchnorm_run, decision)
