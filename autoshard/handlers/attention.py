@@ -16,7 +16,10 @@ broadcasts to ``[..., Hq, L, S]``. Per mesh axis:
 Not offered: the key sequence S (needs an online-softmax merge of partial results), the
 contraction E (the softmax of a partial sum is not a sum), and the value dim Ev (exact, but every
 device recomputes the whole score matrix, a cost the split compute model cannot express).
-``dropout_p`` > 0 is random: sharded and unsharded runs agree only in distribution.
+``dropout_p`` > 0 on a sharded op draws the single-device op's mask (:func:`dropout_row_block_sdpa`):
+the unsharded op drops attention probabilities with ``dropout`` on a ``[..., Hq, L, S]`` tensor, so
+every device draws that global mask the same way and keeps its block, and a seeded sharded run
+equals the single-device one.
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ def sdpa_rules(op: OpInfo) -> list[AxisOption]:
 
 
 def _sdpa_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    out = strategy.output_specs[0]
+    if op.arg(4, "dropout_p", 0.0) and out is not None and any(out.dims):
+        return _dropout_kernel(op, strategy)
     if "sq" not in strategy.tags or not op.arg(5, "is_causal", False):
         return default_kernel(op, strategy)
     q = operand_slots(op)["query"]
@@ -90,3 +96,47 @@ def causal_row_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.T
     mask = torch.ones(rows, key.shape[-2], dtype=torch.bool, device=query.device).tril(start)
     return aten.scaled_dot_product_attention.default(query, key, value, mask, dropout_p, False,
                                                      scale=scale, enable_gqa=enable_gqa)
+
+
+def _dropout_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """Sharded attention with dropout: the single-device op's dropout draws (see the module docstring)."""
+    q = operand_slots(op)["query"]
+    out_dims = strategy.output_specs[0].dims
+    noise_shape = (*op.outputs[0].shape[:-1], op.shape(operand_slots(op)["key"])[-2])
+    mask = op.arg(3, "attn_mask")
+    args = (op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value"), mask, op.arg(4, "dropout_p"))
+    kwargs = {"is_causal": op.arg(5, "is_causal", False), "scale": op.arg(6, "scale"),
+              "enable_gqa": op.arg(7, "enable_gqa", False), "noise_shape": tuple(noise_shape),
+              "noise_dims": (*out_dims[:-1], ()), "row_axes": strategy.input_specs[q].dims[len(op.shape(q)) - 2]}
+    return LocalKernel(dropout_row_block_sdpa, args, kwargs, uses_comm=True)
+
+
+def dropout_row_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attn_mask: "torch.Tensor | None", dropout_p: float, *, is_causal: bool,
+                           scale: float | None, enable_gqa: bool, noise_shape: Sequence[int],
+                           noise_dims: Sequence[Sequence[int]], row_axes: Sequence[int], comm) -> torch.Tensor:
+    """This device's block of ``softmax(q k^T * scale + mask) v`` with dropout on the probabilities:
+    the mask is drawn over the global ``noise_shape`` ``[..., Hq, L, S]`` as the unsharded op draws
+    it (``dropout`` of ones), and this device keeps its block (dim ``d`` split over mesh axes
+    ``noise_dims[d]``). Causal rows are offset by this device's block of query rows
+    (``row_axes``), as in :func:`causal_row_block_sdpa`."""
+    import math
+
+    noise = aten.dropout.default(torch.ones(tuple(noise_shape), dtype=query.dtype, device=query.device),
+                                 dropout_p, True)
+    for d, axes in enumerate(noise_dims):
+        if axes:
+            noise = noise.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
+    scores = (query @ key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        rows = query.shape[-2]
+        start = comm.shard_index(row_axes) * rows if row_axes else 0
+        visible = torch.ones(rows, key.shape[-2], dtype=torch.bool, device=query.device).tril(start)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return (scores.softmax(-1) * noise) @ value

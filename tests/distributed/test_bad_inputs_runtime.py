@@ -219,3 +219,35 @@ def test_plan_once_gives_every_rank_the_same_plan():
         assert len(set(texts)) == 1
 
     on_all_ranks("plan_once gives one plan", run)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_attention_dropout_under_sharding_equals_one_device(name: str) -> None:
+    """Seeded attention dropout (scaled_dot_product_attention with dropout_p > 0) on a sharded
+    plan draws the single-device op's mask: the loss and gradients equal one device's."""
+    from autoshard.models import build_model
+
+    overrides = {"attn_pdrop": 0.3} if name.startswith("gpt2") else {"attention_dropout": 0.3}
+
+    def run() -> None:
+        torch.manual_seed(0)
+        model, _, kwargs = build_model(name, device="cpu", batch=8, dropout=0.0, **overrides)
+        model.train()
+        reference = copy.deepcopy(model)
+        plan = autoshard.plan_once(model, kwargs=kwargs, mesh=MESH, hardware="h100-nvlink",
+                                   baseline="data_parallel")
+        pm = autoshard.parallelize(model, plan, device_mesh(MESH))
+        assert "dropout_row_block_sdpa" in pm.code, "the sharded attention does not draw the global mask"
+        for step in range(2):
+            torch.manual_seed(100 + step)
+            loss = pm(**kwargs).loss
+            torch.manual_seed(100 + step)
+            want = reference(**kwargs).loss
+            _assert_close(loss, want, f"loss of step {step}")
+            loss.backward()
+            want.backward()
+        grads = pm.full_grads()
+        for key, p in reference.named_parameters():
+            _assert_close(grads[key], p.grad, f"gradient of {key}")
+
+    on_all_ranks(f"{name} with attention dropout 0.3", run)
