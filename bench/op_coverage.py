@@ -1,4 +1,5 @@
-"""Op coverage: every op in the graphs of the supported models, with its strategy count on 2x2.
+"""Op coverage: every op in the graphs of the supported models and of the model zoo's transformers
+families (bench/model_zoo.py), with its strategy count on 2x2.
 
 Run: python bench/op_coverage.py   (writes bench/results/op_coverage.{json,md}, used in the README)
 """
@@ -19,9 +20,14 @@ def main() -> None:
     counts: dict[str, list[int]] = defaultdict(list)
     models: dict[str, set[str]] = defaultdict(set)
     family: dict[str, str] = {}
-    for name in MODELS:
-        model, args, kwargs = build_model(name, device="meta")
-        graph = capture(model, args, kwargs, name=name)
+    from model_zoo import FAMILIES
+
+    from autoshard.runtime import capture_meta
+
+    graphs = ((name, lambda name=name: capture(*build_model(name, device="meta"), name=name)) for name in MODELS)
+    zoo = ((name, lambda name=name: capture_meta(*_zoo_model(FAMILIES[name][1]), name=name)) for name in FAMILIES)
+    for name, build in [*graphs, *zoo]:
+        graph = build()
         table = enumerate_strategies(graph, mesh_shape=(2, 2), hardware="h100-nvlink")
         for node in graph.graph.nodes:
             if node.op != "call_function":
@@ -38,8 +44,13 @@ def main() -> None:
         rows.append([f"`{op}`", family[op], span, len(c), ", ".join(sorted(models[op]))])
     data = {op: {"strategies": counts[op], "models": sorted(models[op]), "family": family[op]} for op in counts}
     write("op_coverage", data, ["op", "family", "strategies per node (2x2)", "nodes", "models"], rows,
-          note="Strategy counts on a 2x2 mesh for the nodes of the tiny test models "
-               "(range over nodes: shapes decide what divides).")
+          note="Strategy counts on a 2x2 mesh for the nodes of the tiny test models and the model zoo's "
+               "families (range over nodes: shapes decide what divides).")
+
+
+def _zoo_model(build):
+    model, kwargs = build()
+    return model.train(), (), kwargs
 
 
 if __name__ == "__main__":

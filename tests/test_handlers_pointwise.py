@@ -254,3 +254,29 @@ def test_every_node_of_these_families_has_sharded_strategies(preset):
         if node.target is not aten.add_.Tensor:   # the step counter is replicate-only by design
             assert any(not s.output_spec.is_replicated() for s in ns), f"{preset}: {node.name} replicated only"
     assert seen > 0
+
+
+def test_coordinated_random_keeps_this_devices_block_of_the_single_device_draw():
+    """rand/randn sharded: every device draws the whole tensor as one device would and keeps its
+    block, so a seeded sharded run sees the single-device numbers."""
+    from autoshard.handlers.factory import coordinated_random
+
+    class Comm:
+        mesh_shape = (2, 2)
+
+        def __init__(self, coord):
+            self.coord = coord
+
+        def shard_index(self, axes):
+            index = 0
+            for a in axes:
+                index = index * self.mesh_shape[a] + self.coord[a]
+            return index
+
+    torch.manual_seed(3)
+    whole = torch.ops.aten.rand.default([4, 6])
+    for coord in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        torch.manual_seed(3)
+        block = coordinated_random(torch.ops.aten.rand.default, ([4, 6],), {}, dims=((0,), (1,)), comm=Comm(coord))
+        assert torch.equal(block, whole.chunk(2, 0)[coord[0]].chunk(2, 1)[coord[1]])
+    assert torch.ops.aten.rand.default in REGISTRY and torch.ops.aten.randn.default in REGISTRY

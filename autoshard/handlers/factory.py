@@ -2,7 +2,8 @@
 
 - Factory ops (arange, ones, zeros, full, empty, new_*): the output may be created directly
   sharded on any dim; the local kernel creates only the local block (arange from the device's
-  block index). ``*_like`` ops follow their input's layout. ``new_*`` read their ``self`` only for
+  block index). Random ``rand``/``randn`` draw the whole tensor (the single-device draws, so a
+  seeded run equals one device) and keep the local block. ``*_like`` ops follow their input's layout. ``new_*`` read their ``self`` only for
   dtype/device, so it may be in any layout. ``scalar_tensor`` (0-d) is replicate-only.
 - Higher-order ops that export emits for ``torch.no_grad()`` / ``torch.autocast`` regions
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``): replicate-only; the local kernel runs
@@ -50,6 +51,33 @@ def _local_size(op: OpInfo, strategy: Strategy) -> list[int]:
           family="factory", kernel=sized_kernel(0, _local_size),
           doc="ones/zeros/empty/full(size): created sharded on any dim")
 def new_tensor_rules(op: OpInfo) -> list[AxisOption]:
+    return _out_dims(op, 0)
+
+
+def _random_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
+    """A sharded random tensor: drawn whole as the unsharded op draws it, this device's block kept
+    (same RNG draws on every rank as on one device, like coordinated dropout)."""
+    spec = strategy.output_specs[0]
+    if spec is None or not any(spec.dims):
+        return default_kernel(op, strategy)
+    return LocalKernel(coordinated_random, (op.target, tuple(op.node.args), dict(op.node.kwargs)),
+                       {"dims": spec.dims}, uses_comm=True)
+
+
+def coordinated_random(target: Any, args: tuple, kwargs: dict, *, dims: Sequence[Sequence[int]], comm: Any
+                       ) -> torch.Tensor:
+    """``target(*args, **kwargs)`` (a random factory op) drawn whole; this device's block of it (dim
+    ``d`` split over mesh axes ``dims[d]``)."""
+    t = target(*args, **kwargs)
+    for d, axes in enumerate(dims):
+        if axes:
+            t = t.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]
+    return t.contiguous()
+
+
+@register(aten.rand.default, aten.randn.default, family="factory", kernel=_random_kernel,
+          doc="rand/randn(size): any dim sharded; drawn whole (the single-device draws), block kept")
+def random_rules(op: OpInfo) -> list[AxisOption]:
     return _out_dims(op, 0)
 
 

@@ -252,7 +252,10 @@ def _without_internal_resharding(plan: _Plan) -> None:
             continue
         c = node.costs
         still = [s for s in range(len(node)) if c.reshard_fwd[s] == 0 and c.reshard_bwd[s] == 0]
-        if len(still) < len(node):
+        if not still:
+            plan.notes.add(f"{plan.family}: {plan.name(node)} moves data between its merged members in every "
+                           "strategy; left free")
+        elif len(still) < len(node):
             plan.allowed[node.name] = still
 
 
@@ -280,6 +283,10 @@ def _zero3_param(plan: _Plan, node: CGNode, axes: tuple[int, ...]) -> None:
     meta = plan.cg.graph.tensor_meta(node.members[0])
     if not axes:
         plan.require(node, _spec(meta.ndim))
+        return
+    if meta.ndim == 0:
+        plan.require(node, _spec(0))
+        plan.notes.add(f"zero3: {plan.name(node)} is a scalar: replicated")
         return
     dims = [0] + sorted(range(1, meta.ndim), key=lambda d: -meta.shape[d])
     for d in dims:

@@ -1,0 +1,296 @@
+"""Model zoo: transformers families planned and trained on 4 gloo ranks, exactly like one process.
+
+For each family (a tiny config built from scratch, no download; the loss computed inside the model
+from labels): capture on meta tensors, plan on a 2x2 mesh under two profiles, and train 3 steps on
+4 gloo ranks next to the same model on one process:
+
+- ``default``: the shipped ``cpu-gloo`` profile (what a user on this machine gets);
+- ``forced``: ``h100-nvlink`` with communication priced near zero and compute at 1 GFLOP/s, so that
+  the solver shards every node it can (the check that the sharded kernels, not replication, are
+  what trains exactly).
+
+Per family and profile: sharded op nodes / op nodes (a node is sharded when any of its input or
+output specs splits a dim), whether 3 optimizer steps give the same losses and final parameters as
+one process (fp32, rtol 1e-5, atol 1e-6), or the error that stopped it. The optimizer is SGD with
+momentum: AdamW divides by the gradient's own size and turns the rounding noise of gradients that
+are zero up to rounding (key biases: softmax ignores a per-row constant) into lr-sized steps whose
+sign depends on the summation order (see tests/distributed/test_runtime_models.py).
+
+Run: python bench/model_zoo.py [--families gpt2,llama]   (one torchrun launch, 4 ranks, ~10 min)
+Writes bench/results/model_zoo.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BATCH, SEQ, IMAGE = 8, 16, 32
+STEPS = 3
+RTOL, ATOL = 1e-5, 1e-6
+
+LM = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+          max_position_embeddings=64)
+
+
+def _lm(config: str, model: str, **fields: Any) -> Callable[[], tuple[torch.nn.Module, dict]]:
+    """A causal or masked LM: input ids and labels (the model shifts or masks them)."""
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, config)(use_cache=False, **fields)
+        ids = torch.randint(3, 100, (BATCH, SEQ))
+        return getattr(transformers, model)(cfg), {"input_ids": ids, "labels": ids}
+    return build
+
+
+def _seq2seq(config: str, model: str, **fields: Any) -> Callable[[], tuple[torch.nn.Module, dict]]:
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, config)(use_cache=False, **fields)
+        ids = torch.randint(3, 100, (BATCH, SEQ))
+        return getattr(transformers, model)(cfg), {"input_ids": ids, "labels": ids.flip(1).contiguous()}
+    return build
+
+
+def _vision(config: str, model: str, **fields: Any) -> Callable[[], tuple[torch.nn.Module, dict]]:
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, config)(num_labels=10, **fields)
+        return getattr(transformers, model)(cfg), {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE),
+                                                   "labels": torch.randint(0, 10, (BATCH,))}
+    return build
+
+
+def _clip():
+    import transformers
+
+    cfg = transformers.CLIPConfig(
+        text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=SEQ),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           image_size=IMAGE, patch_size=8), projection_dim=32)
+    return transformers.CLIPModel(cfg), {"input_ids": torch.randint(3, 100, (BATCH, SEQ)),
+                                         "pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE), "return_loss": True}
+
+
+ENC = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+           max_position_embeddings=64)
+FAMILIES: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, dict]]]] = {
+    "gpt2": ("decoder, learned positions, Conv1D, tied head", _lm(
+        "GPT2Config", "GPT2LMHeadModel", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "gpt_neox": ("decoder, partial rotary, parallel residual", _lm("GPTNeoXConfig", "GPTNeoXForCausalLM", **LM)),
+    "gptj": ("decoder, rotary, parallel attention/MLP", _lm(
+        "GPTJConfig", "GPTJForCausalLM", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        rotary_dim=4)),
+    "opt": ("decoder, learned positions, untied head", _lm(
+        "OPTConfig", "OPTForCausalLM", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32)),
+    "bloom": ("decoder, ALiBi", _lm("BloomConfig", "BloomForCausalLM", vocab_size=128, hidden_size=32, n_layer=2,
+                                     n_head=4)),
+    "llama": ("decoder, rotary, GQA, RMSNorm, SwiGLU", _lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2,
+                                                            **LM)),
+    "mistral": ("decoder, rotary, GQA, sliding window", _lm("MistralConfig", "MistralForCausalLM",
+                                                             num_key_value_heads=2, sliding_window=8, **LM)),
+    "qwen2": ("decoder, rotary, GQA, qkv bias", _lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, **LM)),
+    "gemma": ("decoder, MQA, GeGLU, scaled embeddings", _lm("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1,
+                                                            head_dim=8, **LM)),
+    "phi": ("decoder, partial rotary, parallel attention/MLP", _lm("PhiConfig", "PhiForCausalLM", **LM)),
+    "falcon": ("decoder, MQA, parallel attention", _lm(
+        "FalconConfig", "FalconForCausalLM", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, multi_query=True, parallel_attn=True)),
+    "stablelm": ("decoder, partial rotary, LayerNorm", _lm("StableLmConfig", "StableLmForCausalLM",
+                                                            num_key_value_heads=4, **LM)),
+    "mixtral": ("mixture of experts: router top-k, token dispatch", _lm(
+        "MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        **LM)),
+    "bert": ("encoder, masked LM", _lm("BertConfig", "BertForMaskedLM", **ENC)),
+    "roberta": ("encoder, masked LM, offset positions", _lm("RobertaConfig", "RobertaForMaskedLM", pad_token_id=1,
+                                                            **ENC)),
+    "distilbert": ("encoder, masked LM", _lm("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=128, dim=32,
+                                             n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64)),
+    "electra": ("encoder, embedding projection", _lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=16,
+                                                      **ENC)),
+    "albert": ("encoder, shared layers, factorised embeddings", _lm("AlbertConfig", "AlbertForMaskedLM",
+                                                                     embedding_size=16, **ENC)),
+    "t5": ("encoder-decoder, relative position bias", _seq2seq(
+        "T5Config", "T5ForConditionalGeneration", vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+        num_heads=4, decoder_start_token_id=0)),
+    "bart": ("encoder-decoder, learned positions", _seq2seq(
+        "BartConfig", "BartForConditionalGeneration", vocab_size=128, d_model=32, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64)),
+    "vit": ("vision transformer, patch conv", _vision(
+        "ViTConfig", "ViTForImageClassification", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, image_size=IMAGE, patch_size=8)),
+    "swin": ("vision, windowed attention", _vision(
+        "SwinConfig", "SwinForImageClassification", image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1],
+        num_heads=[2, 4], window_size=4)),
+    "resnet": ("CNN, BatchNorm, in-place residual adds", _vision(
+        "ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+        layer_type="basic")),
+    "convnext": ("CNN, depthwise conv, LayerNorm", _vision(
+        "ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)),
+    "clip": ("multimodal dual encoder, contrastive loss", _clip),
+}
+
+
+def forced_profile():
+    """h100-nvlink with communication nearly free and compute at 1 GFLOP/s: the solver shards
+    every node it can."""
+    from autoshard.hardware import LinkModel, load_hardware
+
+    hw = load_hardware("h100-nvlink")
+    free = LinkModel(alpha=1e-12, beta=1e-18)
+    return dataclasses.replace(hw, name="forced-sharding", axes=(free, free), world=free, kinds={},
+                               peak_flops={k: 1e9 for k in hw.peak_flops}, memory_bandwidth=1e9)
+
+
+# -- worker (every rank) --------------------------------------------------------------------------
+
+def _sharded_nodes(plan) -> tuple[int, int]:
+    from autoshard.specs import ShardSpec
+
+    ops = [n for n in plan.nodes.values() if n.kind == "call_function"]
+    sharded = sum(1 for n in ops if any(not ShardSpec.parse(s).is_replicated()
+                                        for s in n.inputs + [o for o in n.outputs if o is not None]))
+    return sharded, len(ops)
+
+
+def _train(model, kwargs: dict, seed: int) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        torch.manual_seed(seed + step)
+        loss = model(**kwargs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _run_family(name: str, profile: Any, mesh) -> dict:
+    import autoshard
+    from autoshard.runtime import capture_meta
+
+    torch.manual_seed(0)
+    model, kwargs = FAMILIES[name][1]()
+    model.train()
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    graph = capture_meta(model, (), kwargs, name=name)
+    plan = autoshard.plan_once(graph, mesh=(2, 2), hardware=profile)
+    out["plan_s"] = time.perf_counter() - t0
+    out["sharded"], out["ops"] = _sharded_nodes(plan)
+    out["fallbacks"] = list(plan.fallbacks)
+    reference = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, plan, mesh, graph=graph)
+    losses = _train(pm, kwargs, 100)
+    want = _train(reference, kwargs, 100)
+    worst = 0.0
+    for got, ref in zip(losses, want):
+        worst = max(worst, float((got - ref).abs() / ref.abs().clamp_min(1e-12)))
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+    state, ref_state = pm.state_dict(), reference.state_dict()
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+    out["loss_rel_diff"] = worst
+    return out
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    mesh = autoshard.init_mesh((2, 2))
+    rank = dist.get_rank()
+    profiles = {"default": "cpu-gloo", "forced": forced_profile()}
+    results: dict[str, dict] = {}
+    for name in args.families.split(","):
+        results[name] = {}
+        for label, profile in profiles.items():
+            try:
+                entry = _run_family(name, profile, mesh)
+                entry["matched"] = True
+            except Exception as e:           # reported per family: one failure must not hide the others
+                entry = {"matched": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                if rank == 0:
+                    traceback.print_exc()
+            flags = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, entry.get("error"))
+            if entry["matched"] and any(flags):
+                entry = {"matched": False, "error": next(f for f in flags if f)}
+            results[name][label] = entry
+            if rank == 0:
+                print(f"[zoo] {name} {label}: {entry}", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    if args.worker:
+        worker(args)
+        return
+    sys.path.insert(0, str(HERE))
+    from _common import write
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "zoo.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+               str(Path(__file__).resolve()), "--worker", "--out", str(out), "--families", args.families]
+        subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+        results = json.loads(out.read_text())
+    rows = []
+    for name, by_profile in results.items():
+        row = [name, FAMILIES[name][0]]
+        for label in ("default", "forced"):
+            e = by_profile[label]
+            plan = f"{e['sharded']}/{e['ops']}" if "ops" in e else "-"
+            row += [plan, "yes" if e["matched"] else f"NO: {e.get('error', '')[:160]}"]
+        rows.append(row)
+    matched = sum(all(e["matched"] for e in p.values()) for p in results.values())
+    note = (f"{matched} of {len(results)} families train exactly like one process under both profiles. 2x2 mesh, "
+            f"4 gloo ranks, batch {BATCH}, seq {SEQ} (images {IMAGE}x{IMAGE}), 2 layers, hidden 32, fp32; "
+            f"{STEPS} SGD (momentum 0.9) steps with seeded dropout; losses and final parameters and buffers "
+            f"within rtol {RTOL}, atol {ATOL}. Plan: sharded op nodes / op nodes. default: cpu-gloo; forced: "
+            f"communication nearly free, compute 1 GFLOP/s. Whole run {(time.perf_counter() - t0) / 60:.1f} min "
+            "(python bench/model_zoo.py).")
+    write("model_zoo", {"results": results, "steps": STEPS, "rtol": RTOL, "atol": ATOL},
+          ["family", "what it exercises", "default plan", "default trains exactly", "forced plan",
+           "forced trains exactly"], rows, note)
+
+
+if __name__ == "__main__":
+    main()
