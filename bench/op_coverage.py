@@ -28,15 +28,16 @@ def main() -> None:
     zoo = ((name, lambda name=name: capture_meta(*_zoo_model(FAMILIES[name][1]), name=name)) for name in FAMILIES)
     for name, build in [*graphs, *zoo]:
         graph = build()
-        table = enumerate_strategies(graph, mesh_shape=(2, 2), hardware="h100-nvlink")
+        table = enumerate_strategies(graph, mesh_shape=(2, 2), hardware="h100-nvlink", fallback="replicate")
         for node in graph.graph.nodes:
             if node.op != "call_function":
                 continue
             ns = table[node.name]
             counts[ns.op].append(len(ns))
             models[ns.op].add(name)
-            h = REGISTRY[node.target]
-            family[ns.op] = h.family + (" (replicate only)" if h.replicate_only else "")
+            h = REGISTRY.get(node.target)
+            family[ns.op] = ("NO HANDLER (runs replicated only under fallback='replicate')" if h is None
+                             else h.family + (" (replicate only)" if h.replicate_only else ""))
     rows = []
     for op in sorted(counts):
         c = counts[op]
