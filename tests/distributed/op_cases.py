@@ -89,6 +89,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "pad": (lambda: Fn(lambda m, x: F.pad(x, (1, 1))), lambda: (_x(4, 8),)),
     "tril": (lambda: Fn(lambda m, x: torch.tril(x)), lambda: (_x(8, 8),)),
     "arange": (lambda: Fn(lambda m, x: x * torch.arange(8, device=x.device)), lambda: (_x(4, 8),)),
+    "rand": (lambda: Fn(lambda m, x: x * torch.rand(4, 8, device=x.device) + torch.randn(4, 8, device=x.device)),
+             lambda: (_x(4, 8),)),
     "like": (lambda: Fn(lambda m, x: x * torch.full_like(x, 2.0) + torch.zeros_like(x)), lambda: (_x(4, 8),)),
     "new_like": (lambda: Fn(lambda m, x: x + x.new_ones((4, 8))), lambda: (_x(4, 8),)),
     "new_tensor": (lambda: Fn(lambda m, x: x + torch.ones(4, 8, device=x.device)), lambda: (_x(4, 8),)),

@@ -60,6 +60,8 @@ class Reference:
     def __init__(self, module: torch.nn.Module, inputs: Sequence[Any], seed: int = 0) -> None:
         self.module = copy.deepcopy(module)
         self.inputs = _fresh_inputs(inputs)
+        self.seed = seed
+        torch.manual_seed(seed)           # random ops (rand, dropout) draw the same as the parallel run
         self.outs = [o for o in pytree.tree_leaves(self.module(*self.inputs)) if isinstance(o, torch.Tensor)]
         self.weights = _weights(self.outs, seed)
         loss = _loss(self.outs, self.weights)
@@ -73,6 +75,7 @@ def check_plan(module: torch.nn.Module, inputs: Sequence[Any], plan: Plan, graph
     mesh = device_mesh(tuple(plan.mesh_shape))
     pm = autoshard.parallelize(module, plan, mesh, graph=graph)
     xs = _fresh_inputs(inputs)
+    torch.manual_seed(ref.seed)
     outs = [o for o in pytree.tree_leaves(pm(*xs)) if isinstance(o, torch.Tensor)]
     assert len(outs) == len(ref.outs), f"{what}: {len(outs)} outputs, expected {len(ref.outs)}"
     for j, (o, r) in enumerate(zip(outs, ref.outs)):
