@@ -116,13 +116,26 @@ def _preflight(args: argparse.Namespace) -> None:
     from .hardware import load_hardware
     from .mesh import MeshSpec
 
-    MeshSpec.of(args.mesh)
+    mesh = MeshSpec.of(args.mesh)
     hw = load_hardware(args.hardware)
     if getattr(args, "budget", None) is not None:
         resolve_budget(args.budget, hw)
+    _check_preset_batch(args, mesh)
     for flag in ("out", "json"):
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), f"--{flag}")
+
+
+def _check_preset_batch(args: argparse.Namespace, mesh) -> None:
+    """For ``plan`` of a preset, the batch check the planner makes after the capture, made before it
+    (a model file's batch is known only once its factory has run)."""
+    from .api import _check_batch
+    from .models import PRESETS
+
+    if not hasattr(args, "allow_indivisible_batch") or args.allow_indivisible_batch or args.model not in PRESETS:
+        return
+    batch = args.batch if args.batch is not None else PRESETS[args.model].batch
+    _check_batch([(f"'{args.model}' at --batch {batch}", (batch,))], mesh)
 
 
 def _check_writable(path_text: str, flag: str) -> None:

@@ -436,8 +436,9 @@ def test_cli_user_errors(tmp_path, capsys, case) -> None:
 @pytest.mark.parametrize("argv", [["plan", "mlp", "--mesh", "2x2", "--budget", "200GiB"],
                                   ["plan", "mlp", "--mesh", "3x3x3"],
                                   ["plan", "mlp", "--mesh", "2x2", "--hardware", "tpu"],
-                                  ["plan", "mlp", "--mesh", "2x2", "--out", "/no/such/folder/p.json"]],
-                         ids=["budget", "mesh", "hardware", "out"])
+                                  ["plan", "mlp", "--mesh", "2x2", "--out", "/no/such/folder/p.json"],
+                                  ["plan", "mlp", "--mesh", "2x2", "--batch", "6"]],
+                         ids=["budget", "mesh", "hardware", "out", "batch"])
 def test_cli_checks_before_capture(monkeypatch, argv) -> None:
     def no_capture(args: Any) -> Any:
         raise AssertionError("captured before the arguments were checked")
