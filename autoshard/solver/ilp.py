@@ -1081,11 +1081,7 @@ def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
     chosen strategy of every graph node)."""
     graph = cg.graph
     fx_nodes = {n.name: n for n in graph.graph.nodes}
-
-    def strategy_of(node: "fx.Node | str") -> Strategy:
-        name = node if isinstance(node, str) else node.name
-        host = cg.node_of[name]
-        return cg.nodes[host].member_strategy(name, choice[host])
+    strategy_of = _chosen_strategy(cg, choice)
 
     def resharded(name: str, j: int) -> bool:
         node = fx_nodes[name]
@@ -1101,14 +1097,20 @@ def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
                                               resharded, cg.mesh.shape))
 
 
-def param_gathers(cg: CostGraph, choice: dict[str, int]) -> ParamGathers:
-    """The parameters the runtime all-gathers per block under ``choice`` (one all-gather forward,
-    one reduce-scatter backward per group; :mod:`autoshard.param_gather`)."""
+def _chosen_strategy(cg: CostGraph, choice: dict[str, int]):
+    """Graph node (or its name) -> the strategy it runs under ``choice`` (its CGNode's member)."""
     def strategy_of(node: "fx.Node | str") -> Strategy:
         name = node if isinstance(node, str) else node.name
         host = cg.node_of[name]
         return cg.nodes[host].member_strategy(name, choice[host])
 
+    return strategy_of
+
+
+def param_gathers(cg: CostGraph, choice: dict[str, int]) -> ParamGathers:
+    """The parameters the runtime all-gathers per block under ``choice`` (one all-gather forward,
+    one reduce-scatter backward per group; :mod:`autoshard.param_gather`)."""
+    strategy_of = _chosen_strategy(cg, choice)
     stored, uses = param_uses(cg.graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
                               lambda name: strategy_of(name).output_specs[0], cg.mesh.shape)
     return plan_param_gathers(stored, uses, cg.mesh.shape)
