@@ -29,6 +29,7 @@ from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, shard_input
+from .constants import ConstantError, lifted_constants, local_constant
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
@@ -110,6 +111,7 @@ class _Mode:
     binder: InputBinder
     out_spec: Any
     random: list[str]
+    constants: dict[str, torch.Tensor]     # placeholder -> this rank's block of a lifted tensor constant
 
 
 class ParallelModule(nn.Module):
@@ -144,6 +146,7 @@ class ParallelModule(nn.Module):
         plan.check(graph)
         _agree_across_ranks(plan, graph, device_mesh)
         self.comm = MeshComm(device_mesh, CommCounter())
+        self._constant_values = lifted_constants(model, graph)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
@@ -168,7 +171,25 @@ class ParallelModule(nn.Module):
         program = lower(graph, plan, self.comm, self.device, input_mode=self.input_mode)
         in_spec = graph.exported.call_spec.in_spec
         binder = InputBinder(self._signature, in_spec)
-        return _Mode(graph, plan, program, binder, graph.exported.call_spec.out_spec, random_nodes(graph.graph.nodes))
+        return _Mode(graph, plan, program, binder, graph.exported.call_spec.out_spec, random_nodes(graph.graph.nodes),
+                     self._local_constants(graph, program))
+
+    def _local_constants(self, graph: CapturedGraph, program: LocalProgram) -> dict[str, torch.Tensor]:
+        """This rank's block of each lifted tensor constant of ``program`` (values from the plan's
+        mode, matched by FQN)."""
+        out = {}
+        for p in program.placeholders:
+            if p.kind != "constant":
+                continue
+            value = self._constant_values.get(p.fqn)           # type: ignore[arg-type]
+            if value is None:
+                value = graph.exported.constants[p.fqn]        # type: ignore[index]
+                if value.is_meta:
+                    raise ConstantError(f"tensor constant {p.fqn!r} of {graph.name!r} appears only in this mode's "
+                                        "graph and its value is not known (it was captured on meta tensors); "
+                                        "plan with the model in this mode")
+            out[p.name] = local_constant(value, p.spec, self.comm, self.device)
+        return out
 
     def _mode(self, training: bool) -> _Mode:
         """The program of mode ``training``, built at the first switch to it (see :mod:`autoshard.modes`)."""
@@ -295,6 +316,8 @@ class ParallelModule(nn.Module):
                 feeds.append(self._input(value, p, mode.graph))
             elif p.kind in ("param", "buffer"):
                 feeds.append(self._tensor_of(p.fqn))             # type: ignore[arg-type]
+            elif p.kind == "constant":
+                feeds.append(mode.constants[p.name])
             elif p.kind == "unused":
                 feeds.append(None)
             else:
