@@ -60,6 +60,8 @@ class AxisOption:
     extra: tuple[ExtraComm, ...] = ()
     combine: str = ""     # options with different non-empty keys never share a strategy (their
                           # outputs resolve differently, e.g. a loss that is partial vs replicated)
+    partial_grads: tuple[int, ...] = ()   # operands replicated on the axis whose gradient is still a
+                                          # partial sum (the work is split and the output left partial)
 
     @property
     def splits_compute(self) -> bool:
@@ -268,8 +270,10 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
     for j, meta in enumerate(op.operands):
         if not op.operand_requires_grad(j):
             continue
-        # Replicated operand, sharded output: each device's gradient is a partial sum.
+        # Replicated operand, sharded output (or work split as the option says): each device's
+        # gradient is a partial sum.
         axes = [a for a in out_sharded if a not in in_specs[j].used_axes()]
+        axes += [a for a, opt in combo if j in opt.partial_grads and a not in axes]
         add("all_reduce", axes, local_bytes(meta, in_specs[j], mesh_shape), BWD, f"in{j}",
             bucketed=op.operand_is_param(j))
     # An extra collective several axes ask for runs once over all of them (the kernels reduce

@@ -10,7 +10,7 @@ from collections import defaultdict
 from _common import write
 
 from autoshard import capture, enumerate_strategies
-from autoshard.handlers import REGISTRY
+from autoshard.handlers import handler_for
 from autoshard.models import build_model
 
 MODELS = ["mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny"]
@@ -35,7 +35,7 @@ def main() -> None:
             ns = table[node.name]
             counts[ns.op].append(len(ns))
             models[ns.op].add(name)
-            h = REGISTRY.get(node.target)
+            h = handler_for(node.target)
             family[ns.op] = ("NO HANDLER (runs replicated only under fallback='replicate')" if h is None
                              else h.family + (" (replicate only)" if h.replicate_only else ""))
     rows = []

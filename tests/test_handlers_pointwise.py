@@ -9,7 +9,7 @@ from torch import nn
 
 from autoshard.capture import CapturedGraph, capture
 from autoshard.enumerate import UnsupportedOpError, node_strategies
-from autoshard.handlers import REGISTRY
+from autoshard.handlers import REGISTRY, handler_for
 from autoshard.handlers.pointwise import broadcast_rules
 from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
@@ -245,7 +245,7 @@ def test_every_node_of_these_families_has_sharded_strategies(preset):
     mesh = MeshSpec((2, 2))
     seen = 0
     for node in graph.nodes():
-        handler = REGISTRY.get(node.target)
+        handler = handler_for(node.target)
         if handler is None or handler.family not in OUR_FAMILIES:
             continue
         seen += 1

@@ -1,4 +1,5 @@
-"""Registry of node handlers, keyed by aten op (or Python callable for getitem / higher-order ops)."""
+"""Registry of node handlers, keyed by aten op (or Python callable for getitem / higher-order ops, or
+the name of a custom op)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,4 +86,6 @@ def register_replicate_only(*targets: Any, family: str, doc: str, free: bool = F
 
 
 def handler_for(target: Any) -> Handler | None:
-    return REGISTRY.get(target)
+    """The handler of an op, registered by the op itself or by its name (custom ops of a library
+    that may not be imported when the handlers are: ``"transformers.grouped_mm_fallback.default"``)."""
+    return REGISTRY.get(target) or REGISTRY.get(op_name(target))

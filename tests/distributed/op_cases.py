@@ -29,6 +29,17 @@ def _i(high: int, *shape: int) -> torch.Tensor:
     return torch.randint(0, high, shape)
 
 
+def _transformers_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+def _expert_offsets() -> torch.Tensor:
+    """Rows 0-1 to expert 0, none to expert 1 (an empty group), 2-5 to expert 2, 6-7 to expert 3."""
+    return torch.tensor([2, 2, 6, 8], dtype=torch.int32)
+
+
 def _no_grad_center(m, x):
     with torch.no_grad():
         mean = x.mean()
@@ -108,6 +119,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     "sort": (lambda: Fn(lambda m, x: torch.sort(x, dim=1, descending=True)), lambda: (_x(4, 8, 4),)),
     "histc": (lambda: Fn(lambda m, x: x * torch.histc(x.detach(), bins=8, min=-2.0, max=2.0).sum()),
               lambda: (_x(4, 8),)),
+    # mixture-of-experts grouped matmul (handlers/grouped_mm.py): rows sorted by expert
+    "transformers_grouped_mm": (lambda: Fn(lambda m, x, offs: _transformers_grouped_mm(x, m.w, offs), w=_p(4, 8, 4)),
+                                lambda: (_x(8, 8), _expert_offsets())),
     "repeat_interleave": (lambda: Fn(lambda m, x: x.repeat_interleave(2, dim=1) * 2), lambda: (_x(4, 4, 4),)),
     # reductions, softmax
     "mean": (lambda: Fn(lambda m, x: x.mean(1)), lambda: (_x(4, 8, 4),)),

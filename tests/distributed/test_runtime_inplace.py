@@ -5,11 +5,11 @@ Capture makes their in-place ops out-of-place (``autoshard.capture.functionalize
 residual CNN whose blocks do ``out += identity`` (BatchNorm in training, its running stats and step
 counters updated as on one device), and an attention layer that does ``scores.masked_fill_``.
 3 AdamW steps under the solved plan and baseline plans give the same losses, parameters and
-buffers as single-device training (fp32, rtol 1e-5, atol 1e-6), and the communication recorded in a
-step equals the plan's. Custom ops (``custom_ops_lib``): one with a registered decomposition
+buffers as single-device training (fp32, rtol 1e-5, atol 1e-6; parameters 3e-5, see PARAM_ATOL),
+and the communication recorded in a step equals the plan's. Custom ops (``custom_ops_lib``): one with a registered decomposition
 (inlined by capture, sharded like its aten ops) and an opaque one run replicated under
-``fallback="replicate"``. A tiny Mixtral (MoE routing ops, transformers' custom grouped matmul
-replicated).
+``fallback="replicate"``. A tiny Mixtral (MoE routing ops and transformers' custom grouped matmul,
+sharded by their handlers).
 """
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ from inplace_models import ResidualBlock
 from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
 
 STEPS = 3
+LR = 1e-3
+# AdamW moves an element by up to lr per step whatever its gradient's size, so an element whose
+# gradient nearly cancels moves by a rounding-dependent fraction of lr (Mixtral's experts: 1 element
+# in 8192 by 1.4e-6): parameters are compared to 1% of the most AdamW moves them (a wrong gradient
+# moves them by up to 100%), losses and buffers at ATOL.
+PARAM_ATOL = 1e-2 * LR * STEPS
 
 
 class ResidualCNN(nn.Module):
@@ -89,7 +95,7 @@ def _model(name: str):
 
 
 def _train(model, args, steps: int, counter=None) -> list[torch.Tensor]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
         opt.zero_grad()
@@ -126,8 +132,10 @@ def _run(name: str, kind: str, fallback: str = "error") -> None:
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"loss of step {step}: {m}")
     full, want = pm.state_dict(), reference.state_dict()
     assert list(full) == list(want)
+    params = dict(reference.named_parameters())
     for key, value in want.items():     # parameters, BatchNorm running stats and step counters
-        torch.testing.assert_close(full[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+        atol = PARAM_ATOL if key in params else ATOL
+        torch.testing.assert_close(full[key], value, rtol=RTOL, atol=atol, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("kind", ["solved", "data_parallel", "zero3"])
@@ -143,8 +151,8 @@ def test_custom_op_models_train_like_one_device(op, kind):
     on_all_ranks(f"custom op {op} with the {kind} plan", _run, f"custom_{op}", kind, fallback)
 
 
-def test_mixture_of_experts_trains_like_one_device():
-    """Router top-k, sort, histc (of integer ids, as a meta capture records it), floor_divide and
-    index_put sharded by their handlers; transformers' opaque grouped_mm_fallback replicated under
-    fallback='replicate' (and reported)."""
-    on_all_ranks("mixtral_tiny with the solved plan", _run, "mixtral_tiny", "solved", "replicate")
+@pytest.mark.parametrize("kind", ["solved", "megatron"])
+def test_mixture_of_experts_trains_like_one_device(kind):
+    """Router top-k, sort, histc (of integer ids, as a meta capture records it), floor_divide,
+    index_put and transformers' grouped_mm_fallback custom op sharded by their handlers, no fallback."""
+    on_all_ranks(f"mixtral_tiny with the {kind} plan", _run, "mixtral_tiny", kind)
