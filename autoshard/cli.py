@@ -9,11 +9,37 @@ import typing
 from collections import defaultdict
 from typing import Sequence
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 console = Console(stderr=False)
+_plain = False        # set by _set_output: no colours, no box drawing, no wrapping
+
+
+def _set_output(plain: bool) -> None:
+    """``--plain``, or standard output not a terminal (a pipe, a file): plain text, no colours, no box
+    drawing, lines as long as they need (rich would wrap them at 80 columns)."""
+    global console, _plain
+    _plain = plain or not sys.stdout.isatty()
+    if _plain:
+        console = Console(color_system=None, highlight=False, width=100_000, soft_wrap=True)
+
+
+def _print_table(table: Table) -> None:
+    """Print a table; in plain mode without the padding rich puts after the last column."""
+    if not _plain:
+        console.print(table)
+        return
+    with console.capture() as captured:
+        console.print(table)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+def _table(*columns: str, title: str | None = None) -> Table:
+    """A table in the current output mode (see :func:`_set_output`)."""
+    return Table(*columns, title=title, box=None if _plain else box.HEAVY_HEAD, title_justify="left")
 
 
 def _ops(args: argparse.Namespace) -> int:
@@ -25,14 +51,11 @@ def _ops(args: argparse.Namespace) -> int:
     for target, h in REGISTRY.items():
         rule = "replicate only" if h.replicate_only else h.doc
         by_family[h.family].append((op_name(target), rule))
-    table = Table(title=f"autoshard: {len(REGISTRY)} supported ops")
-    table.add_column("family")
-    table.add_column("op")
-    table.add_column("per-axis rule")
+    table = _table("family", "op", "per-axis rule", title=f"autoshard: {len(REGISTRY)} supported ops")
     for family in sorted(by_family):
         for name, rule in sorted(by_family[family]):
             table.add_row(family, name, escape(rule))
-    console.print(table)
+    _print_table(table)
     return 0
 
 
@@ -49,12 +72,14 @@ def _capture(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     graph = _graph(args)
     seconds = time.perf_counter() - t0
-    console.print(f"captured {args.model}: {len(list(graph.graph.nodes))} nodes in {seconds:.2f} s, "
-                  f"fingerprint {graph.fingerprint()[:16]}")
-    table = Table("op", "count")
+    inputs = ", ".join(f"{where} {tuple(graph.tensor_meta(name).shape)}" for name, where in graph.user_input_specs.items())
+    console.print(f"captured {escape(args.model)}: {len(list(graph.graph.nodes))} nodes in {seconds:.2f} s, "
+                  f"fingerprint {graph.fingerprint()[:16]} (of the ops, shapes and dtypes for inputs {escape(inputs)}: "
+                  "a plan for other input shapes has another)", highlight=False)
+    table = _table("op", "count")
     for op, n in sorted(graph.summary().items(), key=lambda kv: -kv[1]):
         table.add_row(op, str(n))
-    console.print(table)
+    _print_table(table)
     return 0
 
 
@@ -76,11 +101,11 @@ def _enumerate(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.json}")
     if args.node:
         ns = _node(table, args.node)
-        t = Table("strategy", "fwd s", "bwd s", "comm s", "saved B")
+        t = _table("strategy", "fwd s", "bwd s", "comm s", "saved B")
         for s in ns.strategies:
             t.add_row(escape(s.name), f"{s.compute_fwd:.3g}", f"{s.compute_bwd:.3g}", f"{s.comm_time():.3g}",
                       str(s.memory.saved))
-        console.print(t)
+        _print_table(t)
     return 0
 
 
@@ -180,7 +205,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _print_plan(result, *, full: bool, plain: bool) -> None:
-    if plain:
+    if plain or _plain:
         sys.stdout.write(result.explain(plain=True, full=full))
     else:
         console.print(result.renderable(full=full))
@@ -242,39 +267,61 @@ def _float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, except where there is none to show (None, a flag that is
+    off, a required option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+_FALLBACK_HELP = "an op with no sharding handler: error, or replicate (run whole on every device, reported)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .enumerate import OUTPUT_MODES
 
     p = _Parser(prog="autoshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    ops = sub.add_parser("ops", help="list supported ops and their per-axis sharding rules")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+        if name != "profile":
+            sp.add_argument("--plain", action="store_true",
+                            help="plain text: no colours, no box drawing, no wrapping (also when output is not a "
+                                 "terminal)")
+        return sp
+
+    ops = command("ops", "list supported ops and their per-axis sharding rules")
     ops.set_defaults(fn=_ops)
 
     def model_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("model", help="preset (see autoshard.models.list_models()) or path/to/file.py:factory")
-        sp.add_argument("--batch", type=_int_at_least_1, default=None)
-        sp.add_argument("--seq", type=_int_at_least_1, default=None)
+        sp.add_argument("--batch", type=_int_at_least_1, default=None,
+                        help="batch size of the example inputs (default: the preset's, or the factory's own)")
+        sp.add_argument("--seq", type=_int_at_least_1, default=None,
+                        help="sequence length, the image side for the cnn preset (default: the preset's own)")
         sp.add_argument("--layers", type=_int_at_least_1, default=None, help="override the number of layers")
 
     def explain_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--full", action="store_true", help="list every node (no grouping of identical blocks)")
-        sp.add_argument("--plain", action="store_true", help="plain text, no colours or box drawing")
 
-    cap = sub.add_parser("capture", help="capture a model on meta tensors and summarise its graph")
+    cap = command("capture", "capture a model on meta tensors and summarise its graph")
     model_args(cap)
     cap.set_defaults(fn=_capture)
 
-    en = sub.add_parser("enumerate", help="enumerate the sharding strategies of every node")
+    en = command("enumerate", "enumerate the sharding strategies of every node")
     model_args(en)
     en.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x4 or 8")
     en.add_argument("--hardware", default="h100-nvlink", help="profile name or YAML path")
-    en.add_argument("--fallback", choices=["error", "replicate"], default="error")
+    en.add_argument("--fallback", choices=["error", "replicate"], default="error", help=_FALLBACK_HELP)
     en.add_argument("--node", help="print the strategies of this node")
     en.add_argument("--json", help="write all strategies to this JSON file")
     en.set_defaults(fn=_enumerate)
 
-    pl = sub.add_parser("plan", help="plan sharding + memory decisions for a model and save the plan")
+    pl = command("plan", "plan sharding + memory decisions for a model and save the plan")
     model_args(pl)
     pl.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8")
     pl.add_argument("--hardware", default="h100-nvlink", help="profile name or YAML path")
@@ -283,12 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="write the plan to this JSON file")
     pl.add_argument("--optimizer-bytes", type=_non_negative, default=8.0,
                     help="optimizer state bytes per parameter element (AdamW fp32: 8)")
-    pl.add_argument("--solver", choices=["highs", "cbc"], default="highs")
+    pl.add_argument("--solver", choices=["highs", "cbc"], default="highs", help="ILP solver (PuLP backend)")
     pl.add_argument("--time-limit", type=_seconds, default=60.0, help="ILP time limit in seconds")
     pl.add_argument("--gap", type=_gap, default=0.0, help="relative optimality gap the ILP may stop at")
     pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
-    pl.add_argument("--fallback", choices=["error", "replicate"], default="error")
+    pl.add_argument("--fallback", choices=["error", "replicate"], default="error", help=_FALLBACK_HELP)
     pl.add_argument("--outputs", choices=list(OUTPUT_MODES), default="global",
                     help="how the parallelized model returns its outputs: global (whole on every rank) or "
                          "local (tensors of rank >= 1 as each rank's shard, no collective; 0-dim ones global)")
@@ -297,14 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan even if the mesh size does not divide the batch (e.g. pure tensor parallelism)")
     pl.set_defaults(fn=_plan)
 
-    ex = sub.add_parser("explain", help="explain a saved plan: summary and per-node decisions")
+    ex = command("explain", "explain a saved plan: summary and per-node decisions")
     ex.add_argument("plan", help="plan JSON file written by `autoshard plan --out`")
     explain_args(ex)
     ex.set_defaults(fn=_explain)
 
     from .profile import add_profile_arguments
 
-    prof = sub.add_parser("profile", help="measure a hardware profile (run under torchrun)")
+    prof = command("profile", "measure a hardware profile (run under torchrun)")
     add_profile_arguments(prof)
     prof.set_defaults(fn=_profile)
     return p
@@ -332,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:          # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else 2
+    _set_output(getattr(args, "plain", False))
     try:
         return args.fn(args)
     except _user_errors() as e:

@@ -23,7 +23,9 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    Every plan runs with ``autoshard.parallelize``; torch DDP and FSDP2 (``fully_shard`` per
    transformer block, then the root, over all 4 ranks) train the same model. A step is forward +
    backward + AdamW step (fp32, dropout 0), timed between two barriers; medians of interleaved
-   rounds (every configuration runs ``--steps`` steps in turn). Step 0 is the global batch's loss
+   rounds (every configuration runs ``--settle`` untimed steps, then ``--steps`` timed ones, in turn:
+   the first step after another configuration ran is slower, from caches and memory the other one
+   left, which no training run that keeps one model sees). Step 0 is the global batch's loss
    for every configuration (DDP/FSDP2: the mean of the ranks' losses on their equal shares).
 
 Per model: Spearman rank correlation of modeled vs measured step time over the autoshard plans that
@@ -32,7 +34,7 @@ fastest measured configuration (DDP and FSDP2 included). Targets: solved/fastest
 Spearman >= 0.9, median error <= 20%. Writes bench/results/plan_fidelity.{json,md,png} and the
 measured profile bench/results/fidelity-measured.yaml.
 
-Run: python bench/plan_fidelity.py [--rounds 3] [--steps 2] [--warmup 2] [--models gpt2-128,cnn-16]
+Run: python bench/plan_fidelity.py [--rounds 4] [--steps 3] [--settle 1] [--warmup 2] [--models gpt2-128,cnn-16]
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
 (launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1: the profile, then all measurements).
 """
@@ -465,7 +467,7 @@ def worker(args) -> None:
             log(f"  timing {len(configs)} configurations: {args.warmup} warm-up + {args.rounds} rounds x "
                 f"{args.steps} steps each")
         t0 = time.perf_counter()
-        run_rounds(configs, args.warmup, args.rounds, args.steps, dist.barrier)
+        run_rounds(configs, args.warmup, args.rounds, args.steps, dist.barrier, settle=args.settle)
         timing_s = time.perf_counter() - t0
         measured = {c.name: summary(c) for c in configs}
         for entry in plans:
@@ -621,7 +623,7 @@ def driver(args) -> int:
         out = Path(tmp) / "result.json"
         torchrun([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--hardware", str(hw_path),
                   "--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                  "--warmup", str(args.warmup)], env)
+                  "--settle", str(args.settle), "--warmup", str(args.warmup)], env)
         data = json.loads(out.read_text())
     wall_s = time.perf_counter() - t_start
     report(args, data, hw_path, profile_s, wall_s)
@@ -727,22 +729,28 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
     if any(MODELS[m["model"]][0] == "cnn" for m in models):
         cnn_note = (" CNN: torch DDP/FSDP2 normalise with each rank's batch statistics (SyncBatchNorm needs a GPU), "
                     "autoshard with the global batch's, so their step-0 losses differ from autoshard's by design.")
+    measured_all = [e["measured"] for m in models for e in m["plans"] if "measured" in e]
+    measured_all += [r for m in models for r in m["references"].values() if r and "median_ms" in r]
+    ratios = [r["settle_median_ms"] / r["median_ms"] for r in measured_all if "settle_median_ms" in r]
+    settle_note = (f" The untimed first step of a turn took {statistics.median(ratios):.2f}x the timed steps' median "
+                   f"(median over configurations; {min(ratios):.2f}-{max(ratios):.2f}x)." if ratios else "")
     quick = " QUICK SMOKE RUN (--quick): one model, one round; not a measurement." if args.quick else ""
     note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1. Step = forward + backward "
             f"+ AdamW step, fp32, dropout 0; autoshard plans made with outputs={OUTPUTS!r} (each rank keeps its "
             f"shard of the logits, as DDP does; the loss is global); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
-            f"{args.rounds} interleaved round(s) x {args.steps} step(s) after {args.warmup} warm-up step(s) + step 0. "
+            f"{args.rounds} interleaved round(s) x {args.steps} step(s) (each turn after {args.settle} untimed step(s)), "
+            f"after {args.warmup} warm-up step(s) + step 0. "
             f"Spearman and errors over the autoshard plans that ran (modeled under the measured profile); "
             f"fastest over every configuration incl. torch DDP and FSDP2 (fully_shard per block, then the root). "
             f"Targets: solved/fastest <= {TARGETS['solved_over_fastest']}, Spearman >= {TARGETS['spearman']}, "
             f"median error <= {100 * TARGETS['median_err']:.0f}%. Step-0 loss diff: max - min step-0 loss (global "
             f"batch) over the autoshard plans / over all configurations. {prof_line} "
-            f"Whole run {wall_s / 60:.1f} min.{cnn_note}{quick}")
+            f"Whole run {wall_s / 60:.1f} min.{settle_note}{cnn_note}{quick}")
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
                               "models": {k: MODELS[k] for k in args.models.split(",")}, "rounds": args.rounds,
-                              "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
+                              "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fraction": PERTURB_FRACTION, "min": PERTURB_MIN, "seed": PERTURB_SEED},
                               "targets": TARGETS,
@@ -762,9 +770,10 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration after step 0")
+    ap.add_argument("--settle", type=int, default=1, help="untimed steps at the start of each configuration's turn")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "
                     "1 warm-up step, a shorter profile")
@@ -778,7 +787,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.models = QUICK_MODEL if args.models == ",".join(MODELS) else args.models.split(",")[0]
-        args.rounds, args.steps, args.warmup, args.profile_iters = 1, 1, 1, min(args.profile_iters, 10)
+        args.rounds, args.steps, args.settle, args.warmup, args.profile_iters = 1, 1, 1, 1, min(args.profile_iters, 10)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")

@@ -79,6 +79,7 @@ class Config:
         self.name, self.model_key, self.module, self.inputs = name, model_key, module, inputs
         self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
         self.times: list[float] = []
+        self.settle_times: list[float] = []       # the untimed steps at the start of each turn, timed anyway
         self.phases: list[tuple[float, float, float]] = []
         self.first_loss: float | None = None
         self.loss_group = loss_group
@@ -113,15 +114,20 @@ class Config:
         return cfg
 
 
-def timed_step(cfg: Config, barrier: Callable[[], None]) -> None:
+def timed_step(cfg: Config, barrier: Callable[[], None], into: list[float] | None = None) -> None:
     barrier()
     t0 = time.perf_counter()
     cfg.step()
     barrier()
-    cfg.times.append(time.perf_counter() - t0)
+    (cfg.times if into is None else into).append(time.perf_counter() - t0)
+    if into is not None:
+        cfg.phases.pop()             # the phase medians are of the timed steps only
 
 
-def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barrier) -> None:
+def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barrier, settle: int = 0) -> None:
+    """``warmup`` untimed steps per configuration, then ``rounds`` rounds in which every configuration
+    runs ``settle`` untimed steps (its caches and allocator back to its own steady state after the
+    others ran) and ``steps`` timed ones."""
     for cfg in configs:
         for _ in range(warmup):
             cfg.step()
@@ -133,6 +139,8 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
         # (a configuration run right after a memory-hungry one measured up to 30% slower)
         k = r % len(configs)
         for cfg in configs[k:] + configs[:k]:
+            for _ in range(settle):
+                timed_step(cfg, barrier, into=cfg.settle_times)
             for _ in range(steps):
                 timed_step(cfg, barrier)
 
@@ -320,7 +328,8 @@ def summary(cfg: Config) -> dict:
     """Rank 0's view of one configuration (phases: forward / backward / optimizer step of the timed
     steps, rank 0's clock, no barrier between them, so a phase includes waiting for other ranks)."""
     phases = {k: 1e3 * statistics.median(p[i] for p in cfg.phases) for i, k in enumerate(("fwd", "bwd", "opt"))}
-    return {"name": cfg.name, "model": cfg.model_key, **stats(cfg.times), "phase_median_ms": phases,
+    settle = {"settle_median_ms": 1e3 * statistics.median(cfg.settle_times)} if cfg.settle_times else {}
+    return {"name": cfg.name, "model": cfg.model_key, **stats(cfg.times), **settle, "phase_median_ms": phases,
             "first_loss": None if cfg.first_loss != cfg.first_loss else cfg.first_loss, **cfg.extra}
 
 
