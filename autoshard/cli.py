@@ -23,8 +23,7 @@ def _set_output(plain: bool) -> None:
     drawing, lines as long as they need (rich would wrap them at 80 columns)."""
     global console, _plain
     _plain = plain or not sys.stdout.isatty()
-    if _plain:
-        console = Console(color_system=None, highlight=False, width=100_000, soft_wrap=True)
+    console = Console(color_system=None, highlight=False, width=100_000, soft_wrap=True) if _plain else Console()
 
 
 def _print_table(table: Table) -> None:

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import random
+import sys
 from collections import Counter
 
 import pytest
@@ -380,7 +381,7 @@ def test_strategy_of() -> None:
 
 # -- CLI -----------------------------------------------------------------------------------------------
 
-def test_cli_plan_and_explain(tmp_path, capsys) -> None:
+def test_cli_plan_and_explain(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "gpt2-tiny", "--mesh", "2x2", "--batch", "4", "--hardware", HW,
                    "--budget", "4GiB", "--out", str(out), "--plain"])
@@ -397,7 +398,10 @@ def test_cli_plan_and_explain(tmp_path, capsys) -> None:
     assert text == plan.explain(plain=True)
     assert cli.main(["explain", str(out), "--full", "--plain"]) == 0
     assert capsys.readouterr().out == plan.explain(plain=True, full=True)
-    assert cli.main(["explain", str(out)]) == 0          # rich tables
+    assert cli.main(["explain", str(out)]) == 0          # piped: plain text, as with --plain
+    assert capsys.readouterr().out == plan.explain(plain=True)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(["explain", str(out)]) == 0          # on a terminal: rich tables
     text = capsys.readouterr().out
     assert "per-node decisions" in text and "┃" in text
 
