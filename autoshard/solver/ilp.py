@@ -1107,6 +1107,12 @@ def _chosen_strategy(cg: CostGraph, choice: dict[str, int]):
     return strategy_of
 
 
+def param_gather_seconds(cg: CostGraph, choice: dict[str, int]) -> tuple[float, float]:
+    """Seconds of the parameters gathered per block under ``choice``: (as the ILP prices them, per
+    resharded edge; as :func:`predict` and the runtime run them, per block)."""
+    return _gather_seconds(cg, choice, param_gathers(cg, choice))
+
+
 def param_gathers(cg: CostGraph, choice: dict[str, int]) -> ParamGathers:
     """The parameters the runtime all-gathers per block under ``choice`` (one all-gather forward,
     one reduce-scatter backward per group; :mod:`autoshard.param_gather`)."""
