@@ -16,9 +16,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..capture import CapturedGraph, capture
-from ..specs import ShardSpec
-from .collectives import MeshComm
-from .state import _block
 
 
 class ConstantError(RuntimeError):
@@ -44,33 +41,26 @@ def lifted_constants(model: nn.Module, graph: CapturedGraph) -> dict[str, torch.
     """FQN -> value of every lifted tensor constant of ``graph``; meta ones are read from a capture
     of ``model`` (which must hold real weights) with the graph's example inputs (meta tensors in
     them replaced by zeros)."""
-    constants = graph.exported.constants
-    values = {name: constants[fqn] for name, fqn in graph.constant_fqn.items()}
-    by_fqn = {graph.constant_fqn[name]: v for name, v in values.items()}
-    missing = sorted(name for name, v in values.items() if isinstance(v, torch.Tensor) and v.is_meta)
+    values = {fqn: graph.exported.constants[fqn] for fqn in graph.constant_fqn.values()}
+    missing = sorted(fqn for fqn, v in values.items() if isinstance(v, torch.Tensor) and v.is_meta)
     if not missing:
-        return by_fqn
+        return values
     device = _model_device(model)
     if device.type == "meta":
         raise ConstantError(f"the captured graph of {graph.name!r} has tensor constants made in forward "
-                            f"({', '.join(graph.constant_fqn[n] for n in missing)}) whose values a meta capture "
+                            f"({', '.join(missing)}) whose values a meta capture "
                             "does not keep, and the model given to parallelize is on the meta device too; "
                             "parallelize the model with its real weights")
     args, kwargs = graph.exported.example_inputs or ((), {})
     real = capture(model, *_real_inputs(args, kwargs, device), name=graph.name)
-    for name in missing:
-        fqn, want = graph.constant_fqn[name], values[name]
+    for fqn in missing:
+        want = values[fqn]
         got = real.exported.constants.get(fqn)
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             found = (f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else "nothing")
             raise ConstantError(f"tensor constant {fqn!r} of {graph.name!r} is {tuple(want.shape)} {want.dtype} in "
                                 f"the planned graph but a capture of the model's real weights gives {found}; was "
                                 "the model changed after planning?")
-        by_fqn[fqn] = got
-    return by_fqn
+        values[fqn] = got
+    return values
 
-
-def local_constant(value: torch.Tensor, spec: ShardSpec | None, comm: MeshComm, device: torch.device) -> torch.Tensor:
-    """This rank's block of a constant under its planned layout, on ``device``."""
-    spec = spec or ShardSpec.replicate(value.ndim)
-    return value.detach()[_block(tuple(value.shape), spec, comm)].to(device, copy=True).contiguous()

@@ -29,7 +29,7 @@ from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, shard_input
-from .constants import ConstantError, lifted_constants, local_constant
+from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
@@ -176,11 +176,12 @@ class ParallelModule(nn.Module):
 
     def _local_constants(self, graph: CapturedGraph, program: LocalProgram) -> dict[str, torch.Tensor]:
         """This rank's block of each lifted tensor constant of ``program`` (values from the plan's
-        mode, matched by FQN)."""
-        out = {}
-        for p in program.placeholders:
-            if p.kind != "constant":
-                continue
+        mode, matched by FQN), cut as parameters are."""
+        from .state import load_local_shards
+
+        placeholders = [p for p in program.placeholders if p.kind == "constant"]
+        values = {}
+        for p in placeholders:
             value = self._constant_values.get(p.fqn)           # type: ignore[arg-type]
             if value is None:
                 value = graph.exported.constants[p.fqn]        # type: ignore[index]
@@ -188,8 +189,9 @@ class ParallelModule(nn.Module):
                     raise ConstantError(f"tensor constant {p.fqn!r} of {graph.name!r} appears only in this mode's "
                                         "graph and its value is not known (it was captured on meta tensors); "
                                         "plan with the model in this mode")
-            out[p.name] = local_constant(value, p.spec, self.comm, self.device)
-        return out
+            values[p.fqn] = value
+        local = load_local_shards(values, {p.fqn: p.spec for p in placeholders}, self.comm, self.device, None)
+        return {p.name: local[p.fqn] for p in placeholders}                 # type: ignore[index]
 
     def _mode(self, training: bool) -> _Mode:
         """The program of mode ``training``, built at the first switch to it (see :mod:`autoshard.modes`)."""
