@@ -213,7 +213,8 @@ class Plan:
     selective); ``recompute_runs`` (per selective segment, the graph nodes of each checkpoint
     region it recomputes, see :mod:`autoshard.solver.selective`);
     ``reshards`` (every non-identity resharding, :class:`ReshardEntry`); ``memory`` (predicted
-    bytes per device: params, grads, optimizer, activations, working_set, peak); ``time``
+    bytes per device: params, grads, optimizer, param_copies (parameters read larger than stored,
+    e.g. gathered per block, held until backward), activations, working_set, peak); ``time``
     (modeled seconds per step: compute, comm, reshard, recompute, offload, total); ``comm``
     (predicted bytes per device per step by collective kind, mesh axes and phase ``fwd`` /
     ``bwd`` / ``recompute``); ``solver``; ``timings`` (seconds per planning stage);
@@ -978,11 +979,14 @@ def _fmt_time(seconds: float) -> str:
 
 
 def _peak_formula(mem: dict[str, float]) -> str:
-    """``params + grads + optimizer + max(activations, worst rebuild)``, as the peak is modeled:
+    """``params + grads + optimizer [+ gathered parameters] + max(activations, worst rebuild)``, as
+    the peak is modeled (gathered parameters: copies read larger than stored, held to backward):
     the activations held at the end of forward, or, if higher, those live when the worst segment
     is rebuilt in backward (only the segments before it still hold theirs); plus the ILP's
     position-free bound when a segment is rebuilt (see :class:`~autoshard.solver.ilp.MemoryPrediction`)."""
     static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
+    if mem.get("param_copies"):
+        static += f" + gathered parameters {format_bytes(mem['param_copies'])}"
     held = f"{static} + activations {format_bytes(mem.get('activations', 0.0))}"
     if not mem.get("working_set"):
         return held

@@ -38,13 +38,13 @@ hidden state, as do gate/up), and alternate: runs 0, 2, 4, ... are column-parall
 
 Cost-model caveats (quoted in the benchmark notes):
 
-- ZeRO-3's parameter all-gather before use is, inside the ILP, the resharding on each edge
-  parameter -> consumer (``S01R -> RR``) with the consumer's gradient all-reduce priced as
-  bucketed. The runtime gathers each block's parameters in one all-gather and reduce-scatters
-  their gradients in one collective (:mod:`autoshard.param_gather`); :func:`predict` and the
-  plan's communication price exactly that. The gathered parameters are kept from forward to
-  backward (no re-gather in backward, unlike FSDP's default ``reshard_after_forward=True``).
-- The gathered (ZeRO-3) or resharded copies of parameters are not counted as memory.
+- ZeRO-3's parameters are gathered per block by the runtime: one all-gather before the block's
+  first use, one reduce-scatter of their gradients (:mod:`autoshard.param_gather`);
+  :func:`predict` and the plan's communication price exactly that. The ILP prices each gathered
+  edge's bandwidth and one latency per block (:mod:`autoshard.solver.param_edges`), with the
+  consumer's gradient all-reduce still counted as bucketed (a small over-count). The gathered
+  parameters are kept from forward to backward (no re-gather in backward, unlike FSDP's default
+  ``reshard_after_forward=True``) and counted as memory (``param_copies``).
 - "Free" nodes may pick any layout the cost model prices: a baseline is the best member of its
   family, not one particular implementation of it.
 

@@ -12,10 +12,12 @@ Variables
                take which decision cannot change cost or memory, so counts replace per-segment
                binaries and remove that symmetry altogether (readout hands the decisions out along
                the block sequence in READOUT_ORDER, which lowers the real peak below the bound).
-Objective (seconds per training step): node compute + collectives, resharding on edges,
-  recomputation (the segment's forward again, or its runs' forward when selective), offload transfers that the segment's compute
+Objective (seconds per training step): node compute + collectives, resharding on edges (out of
+  parameters as :mod:`.param_edges` prices them: a parameter the runtime gathers with its block
+  pays bandwidth per edge and the collectives' latency once per block), recomputation (the segment's forward again, or its runs' forward when selective), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
-Memory (bytes per device): static = parameters + gradients + optimizer state; activations (held
+Memory (bytes per device): static = parameters + gradients + optimizer state + the copies of
+  parameters read larger than stored (gathered), held until backward; activations (held
   at the start of backward) = activations saved outside segments, + per segment: saved activations
   if kept, its checkpointed input if recomputed (1/n of it if partitioned over the n devices
   holding copies), nothing if offloaded, if selective (:mod:`.selective`: only its memory-bound
@@ -41,7 +43,9 @@ Offload: with device memory separate from the host (``HardwareProfile.device_mem
   restoring hands the host copy back without a copy). Such an offload is never better than keep,
   so the solver is not offered it (it would only add variables); a forced one (``fixed_decision``
   or ``decisions=("offload",)``, or a plan's segments priced by :func:`predict`) is priced that way.
-Ties: every segment not kept adds ``KEEP_TIE_US`` (a nanosecond; twice that for partitioned) to
+Ties: every segment not kept adds ``KEEP_TIE_US`` (a nanosecond; twice that for partitioned;
+  growing to twice that along the block sequence, so that equal-cost rebuilds go to the earliest
+  blocks, whose rebuild peaks lowest) to
   the ILP objective, so among plans of equal modeled time the solver keeps activations, and
   recomputes plainly rather than partitioned where both cost the same (e.g. with no memory pressure an
   offload the compute hides completely is not chosen over keep); it is left out of the reported
@@ -82,12 +86,13 @@ import numpy as np
 import pulp
 
 from ..comm import collective_cost
-from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
+from ..grad_reduction import Axes, GradReduction, grad_nodes, plan_gradient_reduction
 from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
 from ..specs import ShardSpec
 from ..strategy import BWD, Strategy
 from ..units import format_bytes
 from .costgraph import SYNC_AXES, CGEdge, CGNode, CostGraph
+from .param_edges import chosen_param_edges, gather_latency, param_edge_prices
 from .selective import RecomputeRun, recompute_runs
 from .steptime import SyncedGradient, SyncPricing, exposed_grad_sync, overlap_fraction
 from .symmetry import order_identical_blocks
@@ -137,6 +142,7 @@ class MemoryPrediction:
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
+    param_copies: float = 0.0     # parameters read larger than stored (gathered), held until backward
     activations: float = 0.0      # kept activations incl. checkpoints
     working_set: float = 0.0      # largest recomputed/offloaded segment brought back
     post_segment: float = 0.0     # part of activations saved after the last segment: freed by the
@@ -148,15 +154,20 @@ class MemoryPrediction:
     def bound(self) -> float:
         """The position-free peak the ILP bounds by the budget: every segment's held activations
         are counted as live while the largest working set is rebuilt."""
-        static = self.params + self.grads + self.optimizer
-        return static + max(self.activations, self.activations - self.post_segment + self.working_set)
+        return self.static + max(self.activations, self.activations - self.post_segment + self.working_set)
 
     @property
     def peak(self) -> float:
         """The modeled peak: the end of forward, or the worst rebuild in backward, when a segment's
         working set comes back while only the segments before it still hold activations (at most
         :attr:`bound`)."""
-        return self.params + self.grads + self.optimizer + max(self.activations, self.backward_peak)
+        return self.static + max(self.activations, self.backward_peak)
+
+    @property
+    def static(self) -> float:
+        """What is held for the whole step: parameters, gradients, optimizer state, and the
+        parameter copies read until backward."""
+        return self.params + self.grads + self.optimizer + self.param_copies
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "peak": self.peak, "bound": self.bound}
@@ -221,6 +232,8 @@ class _Model:
         self.prob = pulp.LpProblem("autoshard", sense)
         self.x: dict[str, list] = {}              # group key -> list of binaries (or None if fixed)
         self.group_of: dict[str, str] = {}        # CGNode name -> group key
+        self.param_prices = param_edge_prices(cg)  # id(edge) -> ParamEdgePrice
+        self.pairs: dict[int, dict[tuple[int, int], object]] = {}   # id(edge) -> (a, b) -> expression
         self._n = 0
         for g in cg.variable_groups():
             for node in g.nodes:
@@ -249,6 +262,29 @@ class _Model:
 
     def var(self, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous, name: str = "v"):
         return self.prob.add_variable(f"{name}{self._id()}", low, up, cat=cat)
+
+    def pair(self, e: CGEdge, a: int, b: int):
+        """The 0/1 expression 'edge ``e`` carries src spec ``a`` into dst spec ``b``': a marginal
+        where one side has one spec, else a transport variable ``y[a, b]`` (made once per edge,
+        its rows and columns summing to the two marginals)."""
+        grid = self.pairs.get(id(e))
+        if grid is None:
+            grid = self.pairs[id(e)] = self._pair_grid(e)
+        return grid[int(a), int(b)]
+
+    def _pair_grid(self, e: CGEdge) -> dict[tuple[int, int], object]:
+        src_marg = _marginals(self, e.src, e.src_index, len(e.src_specs))
+        dst_marg = _marginals(self, e.dst, e.dst_index, len(e.dst_specs))
+        if len(e.src_specs) == 1:
+            return {(0, b): dst_marg[b] for b in range(len(e.dst_specs))}
+        if len(e.dst_specs) == 1:
+            return {(a, 0): src_marg[a] for a in range(len(e.src_specs))}
+        y = {(a, b): self.var(0.0, 1.0, name="y") for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))}
+        for a in range(len(e.src_specs)):
+            self.prob += pulp.lpSum(y[a, b] for b in range(len(e.dst_specs))) == src_marg[a]
+        for b in range(len(e.dst_specs)):
+            self.prob += pulp.lpSum(y[a, b] for a in range(len(e.src_specs))) == dst_marg[b]
+        return y
 
     def choice_expr(self, node: str, values: np.ndarray) -> pulp.LpAffineExpression:
         """sum_s values[s] * x[node, s] (a constant for fixed nodes)."""
@@ -318,31 +354,71 @@ def _forward_time(c) -> np.ndarray:
 
 
 def _edge_time_terms(m: _Model) -> list:
+    """Resharding on edges; out of parameters as :mod:`.param_edges` prices it (per-block
+    gathers: bandwidth per edge, latency once per block and gather axes)."""
     terms = []
+    gathers: dict[tuple[str, Axes], set[tuple[int, int, int]]] = {}
     for eg in m.cg.edge_groups():
         e = eg.edge
-        cost = (e.fwd + (e.bwd if e.grad else 0.0)) * T
+        price = m.param_prices.get(id(e))
+        cost = (price.seconds if price is not None else e.fwd + (e.bwd if e.grad else 0.0)) * T
+        if price is not None:
+            for a, b in zip(*np.nonzero(price.gather_axes != None)):  # noqa: E711 (object array)
+                for block in price.blocks:
+                    gathers.setdefault((block, price.gather_axes[a, b]), set()).add((id(e), int(a), int(b)))
+            terms += _inline_grad_terms(m, eg.count, e, price)
         if not np.any(cost):
             continue
-        src_marg = _marginals(m, e.src, e.src_index, len(e.src_specs))
-        dst_marg = _marginals(m, e.dst, e.dst_index, len(e.dst_specs))
-        if len(e.src_specs) == 1:
-            term = eg.count * pulp.lpSum(float(cost[0, b]) * dst_marg[b] for b in range(len(e.dst_specs)))
-        elif len(e.dst_specs) == 1:
-            term = eg.count * pulp.lpSum(float(cost[a, 0]) * src_marg[a] for a in range(len(e.src_specs)))
-        else:
-            y = [[m.var(0.0, 1.0, name="y") for _ in e.dst_specs] for _ in e.src_specs]
-            for a in range(len(e.src_specs)):
-                m.prob += pulp.lpSum(y[a]) == src_marg[a]
-            for b in range(len(e.dst_specs)):
-                m.prob += pulp.lpSum(y[a][b] for a in range(len(e.src_specs))) == dst_marg[b]
-            term = eg.count * pulp.lpSum(float(cost[a, b]) * y[a][b]
-                                         for a in range(len(e.src_specs)) for b in range(len(e.dst_specs))
-                                         if cost[a, b] != 0.0)
+        term = eg.count * pulp.lpSum(float(cost[a, b]) * m.pair(e, a, b) for a, b in zip(*np.nonzero(cost)))
         terms.append(term)
         if _penalised(m.reshard, e, m.cg):
             m.unreported.append((RESHARD_PENALTY - 1.0) * term)
+    return terms + _gather_latency_terms(m, gathers)
+
+
+def _inline_grad_terms(m: _Model, count: int, e: CGEdge, price) -> list:
+    """The consumer's gradient all-reduce of a parameter read resharded runs inline: ``w >= x_c +
+    resharded - 1`` per consumer strategy ``c`` that has one, costing ``price.inline[c]``."""
+    if not np.any(price.inline) or not np.any(price.resharded):
+        return []
+    resharded = pulp.lpSum(m.pair(e, a, b) for a, b in zip(*np.nonzero(price.resharded)))
+    xs = m.x[m.group_of[e.dst]]
+    if len(xs) == 1:
+        return [count * float(price.inline[0]) * T * resharded]
+    terms = []
+    for c, seconds in enumerate(price.inline):
+        if seconds > 0:
+            w = m.var(0.0, 1.0, name="inline")
+            m.prob += w >= xs[c] + resharded - 1
+            terms.append(count * float(seconds) * T * w)
     return terms
+
+
+def _gather_latency_terms(m: _Model, gathers: dict[tuple[str, Axes], set[tuple[int, int, int]]]) -> list:
+    """One gather latency per (block, axes) with a gatherable pair (edge id, a, b) chosen. Blocks
+    whose edges share their pair variables (identical aliased blocks) share one 0..1 variable,
+    counted once per block."""
+    atoms: dict[tuple, list[str]] = {}
+    for (block, axes), pairs in gathers.items():
+        atoms.setdefault((axes, frozenset(pairs)), []).append(block)
+    terms = []
+    for (axes, pairs), blocks in atoms.items():
+        z = m.var(0.0, 1.0, name="gather")
+        for edge, a, b in pairs:
+            m.prob += z >= m.pairs[edge][a, b]
+        terms.append(len(blocks) * gather_latency(axes, m.cg.mesh.shape, m.cg.hardware) * T * z)
+    return terms
+
+
+def _held_param_copies(m: _Model) -> pulp.LpAffineExpression:
+    """GiB per device of parameter copies read larger than stored, held until backward."""
+    out = []
+    for eg in m.cg.edge_groups():
+        price = m.param_prices.get(id(eg.edge))
+        if price is not None and np.any(price.held):
+            out += [eg.count * float(price.held[a, b]) / M * m.pair(eg.edge, a, b)
+                    for a, b in zip(*np.nonzero(price.held))]
+    return pulp.lpSum(out)
 
 
 def _penalised(reshard: Reshard, e: CGEdge, cg: CostGraph) -> bool:
@@ -456,7 +532,7 @@ def _memory_and_recompute(m: _Model, objective_terms: list,
         not_kept += bounds
     must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
     _designated_working_set(m, not_kept, working, must_drop)
-    held = static.expr(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act)
+    held = static.expr(m) + _held_param_copies(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act)
     if post_act.upper() <= 0:
         peaks = [held + working]
     else:
@@ -894,8 +970,12 @@ def _break_block_symmetry(m: _Model, handles: dict) -> int:
 
 def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
     """``KEEP_TIE_US`` per segment not kept, over the classes that may keep (see the module
-    docstring): equal modeled time then goes to keep."""
-    return pulp.lpSum(KEEP_TIE_US * _TIE_WEIGHT[k] * v for _, counts in classes if "keep" in counts
+    docstring): equal modeled time then goes to keep; up to twice that on the last class, so that
+    among classes of equal cost the earliest blocks rebuild (their rebuild peaks lowest, while
+    the fewest blocks before them hold activations)."""
+    n = len(classes)      # classes come in the block order of their first segments
+    return pulp.lpSum(KEEP_TIE_US * _TIE_WEIGHT[k] * (1.0 + i / n) * v
+                      for i, (_, counts) in enumerate(classes) if "keep" in counts
                       for k, v in counts.items() if k != "keep" and isinstance(v, pulp.LpVariable))
 
 
@@ -929,7 +1009,7 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
 def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, reshard: Reshard = True) -> str:
     need, mem = minimum_budget(cg, options, allowed, reshard)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
-             "activations": mem.bound - mem.params - mem.grads - mem.optimizer}
+             "gathered parameters": mem.param_copies, "activations": mem.bound - mem.static}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
     return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
             f"{cg.mesh}: the smallest feasible budget is {format_bytes(need)} "
@@ -1011,6 +1091,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     t.reshard -= per_edge
     t.comm += grouped
+    mem.param_copies = chosen_param_edges(cg, choice).held
     sync = gradient_sync(cg, choice, gathers)
     t.comm += sync.inline - sync.deferred
     t.grad_sync = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)[0]
@@ -1040,8 +1121,9 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     gathers = param_gathers(cg, choice)
     sync = gradient_sync(cg, choice, gathers)
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
+    param_edges = chosen_param_edges(cg, choice)
     return (t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
-            + per_edge - grouped)
+            + per_edge - grouped + param_edges.seconds - param_edges.replaced)
 
 
 def _edge_seconds(e: CGEdge, choice: dict[str, int]) -> float:

@@ -1,0 +1,154 @@
+"""How the ILP prices the edges out of parameters: per-block gathers and the copies they hold.
+
+The runtime gathers a block's sharded parameters in one all-gather and reduce-scatters their
+gradients in one collective (:mod:`autoshard.param_gather`); priced per resharded edge, each
+parameter would pay the collectives' latency of its own (on a 2D mesh, one per axis), and ZeRO-3
+looked two times dearer to the ILP than it runs. Here an edge whose producer is a parameter that
+carries a gradient, stored with one dim sharded over the live mesh axes ``G``, and whose consumer
+reads it replicated (a *gatherable* pair of specs) costs the bandwidth part of an all-gather and
+a reduce-scatter over ``G`` of its bytes; the latency of one all-gather and one reduce-scatter is
+paid once per (block, ``G``) in which any such pair is chosen. Every other pair keeps its
+resharding cost. The gradient of a gathered parameter stays priced by its consumer as a bucketed
+all-reduce over the axes its computation is split over (the runtime reduce-scatters it over ``G``
+instead, and buckets what is left): a small over-count that :func:`~.ilp.predict` does not share.
+
+A parameter read resharded in any other way has its gradient all-reduced inline, in backward,
+before it is resharded back (:mod:`autoshard.grad_reduction`: a resharded use stops the deferral to
+the buckets), where its consumer's strategy priced that all-reduce as bucketed: ``inline[c]`` is
+what the consumer's strategy ``c`` then pays on the critical path, owed whenever a ``resharded``
+pair is chosen.
+
+Memory: a parameter read in a layout larger than it is stored (gathered, or resharded for one use)
+is a copy that its consumer holds until backward; ``held`` prices it (bytes per device) on every
+such pair, as static memory. A parameter read twice in one block is counted twice (the runtime
+gathers it once): an over-count on the safe side.
+
+One description, used by the ILP's terms and by :func:`~.ilp.predict` / :func:`~.ilp.objective_of`
+to evaluate an assignment exactly as the ILP does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from ..comm import ALL_GATHER, REDUCE_SCATTER, collective_cost
+from ..grad_reduction import Axes, live
+from ..param_gather import block_of
+from ..specs import ShardSpec
+from ..strategy import BWD
+from .costgraph import CGEdge, CostGraph
+
+
+@dataclass(frozen=True)
+class ParamEdgePrice:
+    """The ILP's price of one edge out of a parameter, over its (src spec, dst spec) grid.
+
+    ``seconds``: what each pair costs (fwd + bwd; gatherable pairs without their latency);
+    ``gather_axes``: per pair the axes ``G`` of a gatherable pair, else None; ``held``: bytes per
+    device of the copy the consumer holds until backward; ``resharded``: the pairs read resharded
+    but not gathered per block; ``inline``: per strategy of the consumer's CGNode, the seconds of
+    the operand's gradient all-reduce that then runs inline; ``blocks``: the block of each of the
+    edge group's edges (where the latency of their gathers is shared)."""
+
+    seconds: np.ndarray
+    gather_axes: np.ndarray
+    held: np.ndarray
+    resharded: np.ndarray
+    inline: np.ndarray
+    blocks: tuple[str, ...]
+
+
+class ParamEdgeCost(NamedTuple):
+    """The parameter edges of one assignment as the ILP prices them: ``seconds`` (resharding,
+    gathers with their latencies, inline gradient all-reduces), ``held`` bytes per device, and
+    ``replaced``, the plain edge resharding seconds they stand for."""
+
+    seconds: float
+    held: float
+    replaced: float
+
+
+def gather_latency(axes: Axes, mesh_shape: Sequence[int], hw) -> float:
+    """Seconds of latency of one block's gather: an all-gather and a reduce-scatter of 0 bytes."""
+    return sum(collective_cost(kind, 0, axes, mesh_shape, hw) for kind in (ALL_GATHER, REDUCE_SCATTER))
+
+
+def param_edge_prices(cg: CostGraph) -> dict[int, ParamEdgePrice]:
+    """``id(edge)`` of every edge group's representative edge out of a parameter placeholder ->
+    its price (edges of one group share it; see :meth:`CostGraph.edge_groups`)."""
+    graph = cg.graph
+    out: dict[int, ParamEdgePrice] = {}
+    for eg in cg.edge_groups():
+        e = eg.edge
+        if cg.nodes[e.src].kind != "placeholder" or e.src_member not in graph.param_fqn:
+            continue
+        blocks = tuple(block_of(graph.module_path(x.dst_member)) for x in eg.edges)
+        out[id(e)] = _price(cg, e, blocks)
+    return out
+
+
+def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    shape, item = e.tensor.shape, e.tensor.dtype.itemsize
+    full = float(np.prod(shape, dtype=np.int64)) * item
+    carries_grad = e.grad and cg.graph.requires_grad(e.src_member)
+    seconds = (e.fwd + (e.bwd if e.grad else 0.0)).astype(float)
+    gather_axes = np.full(seconds.shape, None, dtype=object)
+    held = np.zeros(seconds.shape)
+    resharded = np.zeros(seconds.shape, dtype=bool)
+    for a, src in enumerate(e.src_specs):
+        src_bytes = src.local_numel(shape, mesh_shape) * item
+        axes = _gather_axes(src, mesh_shape) if carries_grad else None
+        for b, dst in enumerate(e.dst_specs):
+            dst_bytes = dst.local_numel(shape, mesh_shape) * item
+            if dst_bytes > src_bytes:
+                held[a, b] = dst_bytes
+            if axes is not None and dst.is_replicated():
+                gather_axes[a, b] = axes
+                seconds[a, b] = sum(collective_cost(kind, full, axes, mesh_shape, hw)
+                                    - collective_cost(kind, 0, axes, mesh_shape, hw)
+                                    for kind in (ALL_GATHER, REDUCE_SCATTER))
+            else:
+                resharded[a, b] = carries_grad and src != dst
+    consumer = cg.nodes[e.dst]
+    inline = np.array([sum(c.cost for c in consumer.member_strategy(e.dst_member, k).comm
+                           if c.phase == BWD and c.bucketed and c.operand == f"in{e.operand}")
+                       for k in range(len(e.dst_index))])
+    return ParamEdgePrice(seconds, gather_axes, held, resharded, inline, blocks)
+
+
+def _gather_axes(spec: ShardSpec, mesh_shape: Sequence[int]) -> Axes | None:
+    """The live axes ``G`` of a spec with exactly one dim sharded over live axes and nothing
+    partial (a layout the runtime can gather per block), else None."""
+    if spec.partial:
+        return None
+    sharded = [d for d in spec.dims if live(d, mesh_shape)]
+    if len(sharded) != 1:
+        return None
+    return live(sharded[0], mesh_shape)
+
+
+def chosen_param_edges(cg: CostGraph, choice: dict[str, int],
+                       prices: dict[int, ParamEdgePrice] | None = None) -> ParamEdgeCost:
+    """The parameter edges under ``choice``, priced as the ILP prices them (latency once per
+    block and gather axes)."""
+    prices = param_edge_prices(cg) if prices is None else prices
+    seconds = held = replaced = 0.0
+    latencies: set[tuple[str, Axes]] = set()
+    for eg in cg.edge_groups():
+        price = prices.get(id(eg.edge))
+        if price is None:
+            continue
+        for e, block in zip(eg.edges, price.blocks):
+            a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+            seconds += float(price.seconds[a, b])
+            held += float(price.held[a, b])
+            replaced += float(e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0))
+            if price.resharded[a, b]:
+                seconds += float(price.inline[choice[e.dst]])
+            if price.gather_axes[a, b] is not None:
+                latencies.add((block, price.gather_axes[a, b]))
+    seconds += sum(gather_latency(axes, cg.mesh.shape, cg.hardware) for _, axes in latencies)
+    return ParamEdgeCost(seconds, held, replaced)
