@@ -57,11 +57,13 @@ class StepWatch:
     """This rank's word on each training step of one parallel model, and its view of the others'
     (see the module docstring). ``name``: the model's key prefix, equal on every rank; ``barrier``:
     wait for every rank's word at every call (``check_inputs="always"``); ``poll``: wait for
-    collectives in slices (gloo)."""
+    collectives in slices (gloo). ``store``, ``rank``, ``world``: the default process group's unless given."""
 
-    def __init__(self, name: str, *, barrier: bool = False, poll: bool = True, store: Any = None) -> None:
+    def __init__(self, name: str, *, barrier: bool = False, poll: bool = True, store: Any = None,
+                 rank: int | None = None, world: int | None = None) -> None:
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
         self.prefix = f"autoshard/steps/{name}/"
         self.barrier, self.poll = barrier, poll
         self.timeout_s = self.store.timeout.total_seconds()
