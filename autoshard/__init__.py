@@ -16,6 +16,7 @@ from .api import ArgumentError, BudgetError, plan
 from .modes import ModeError
 from .runtime.inputs import InputError
 from .runtime.replicas import ReplicaMismatchError
+from .runtime.step_watch import SkippedBackwardError
 from .runtime.plan_once import RemotePlanError, plan_once
 from .runtime import (AutoChunkError, autochunk, offload_parameters, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
@@ -31,5 +32,5 @@ __all__ = [
     "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
     "parallelize", "save_checkpoint", "SavedTensorMeter", "apply_memory_annotations",
     "AutoChunkError", "autochunk", "offload_parameters",
-    "ArgumentError", "InputError", "ModeError", "ReplicaMismatchError", "RemotePlanError", "plan_once",
+    "ArgumentError", "InputError", "ModeError", "ReplicaMismatchError", "SkippedBackwardError", "RemotePlanError", "plan_once",
 ]

@@ -1,7 +1,8 @@
 """Runtime failure modes, each in its own small torchrun job (scripts in tests/runtime_scripts/).
 
-A mesh that does not match the job, a rank that leaves or stalls mid-step, and a batch the plan's
-input sharding does not divide must end the job with a clear error on every rank, never a hang.
+A mesh that does not match the job, a rank that leaves or stalls mid-step, a batch the plan's input
+sharding does not divide, and a rank that skips backward on one step must end the job with a clear
+error on every rank, never a hang.
 Every job runs under a wall-clock limit; a job that outlives it is killed (its whole process group)
 and the test fails as a hang.
 """
@@ -151,3 +152,35 @@ def test_indivisible_global_batch_is_a_clear_error_on_every_rank(tmp_path):
         assert "args[0]" in line and re.search(r"\b5\b", line) and re.search(r"divisi|divides|\b8\b", line), \
             f"rank {rank}: the message should name the input (args[0]), its batch (5) and the planned 8 or " \
             f"divisibility: {line}"
+
+
+# -- (d) a rank that skips backward on one step -------------------------------------------------------
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("skip_step", [1, 3])
+def test_rank_that_skips_backward_is_a_named_error_on_every_rank_in_seconds(tmp_path, skip_step):
+    """Data parallel on 2x2: every backward all-reduces the gradients over the 4 ranks. Rank 2 calls the
+    model on step ``skip_step`` but not backward. The others wait in the gradient all-reduce that rank 2
+    never joins; rank 2's next forward would pair its collectives (all-gathers of the output) with
+    theirs. Every rank must raise ``SkippedBackwardError`` naming rank 2 and the step, with the default
+    ``check_inputs``, within seconds (not the 30 s collective timeout): rank 2 at its next call, the
+    others in the backward they wait in.
+
+    Fails before the store-based step watch: every rank raises gloo's ``Timed out waiting 30000ms``
+    after 30 s (rank 2 in its next forward's all-gather)."""
+    path, plan = _plan_file(tmp_path, (2, 2), "data_parallel")
+    assert any(c.phase == "bwd" and c.kind == "all_reduce" for c in plan.comm), plan.comm
+    code, out, seconds = _torchrun("skip_backward.py", 4, str(path), str(skip_step), limit_s=120)
+    assert f"RANK 2 SKIPS BACKWARD in step {skip_step}" in out, out[-4000:]
+    for rank in range(4):
+        for step in range(1, skip_step):
+            assert f"RANK {rank} STEP {step} DONE" in out, f"rank {rank} step {step}:\n{out[-4000:]}"
+    raised = _raised(out)
+    assert sorted(raised) == [0, 1, 2, 3], f"ranks that reported an error: {sorted(raised)}\n{out[-4000:]}"
+    for rank, line in raised.items():
+        step = skip_step + 1 if rank == 2 else skip_step      # rank 2 at its next call; the others in backward
+        m = re.match(rf"in step {step} after ([\d.]+)s: SkippedBackwardError: (.*)", line)
+        assert m, f"rank {rank}: {line}\n{out[-4000:]}"
+        assert float(m.group(1)) < 5, f"rank {rank} raised only after {m.group(1)} s: {line}"
+        assert m.group(2).startswith(f"rank 2 did not run backward on training step {skip_step} ") and \
+            "while ranks 0, 1, 3 did" in m.group(2) and "same training loop on every rank" in m.group(2), line

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..comm_api import MeshCoordinates
 from .activation_codegen import PARAMETER_FLAG
+from .step_watch import StepWatch
 
 FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"
 
@@ -95,6 +96,7 @@ class MeshComm(MeshCoordinates):
         self.mesh_shape: tuple[int, ...] = tuple(device_mesh.shape)
         self.coord: tuple[int, ...] = tuple(int(c) for c in device_mesh.get_coordinate())
         self.counter = counter or CommCounter()
+        self.watch: StepWatch | None = None      # set by the parallel module: waits that notice a skipped backward
         self._groups = {(a,): device_mesh.get_group(a) for a in range(len(self.mesh_shape))}
         # Both axes: the mesh covers the world (init_mesh checks), in row-major rank order, which is
         # the outer-axis-first block order of a dim sharded over (0, 1).
@@ -126,12 +128,21 @@ class MeshComm(MeshCoordinates):
     def group(self, axes: Sequence[int]):
         return self._groups[tuple(axes)]
 
+    def wait(self, work) -> None:
+        """Wait for an async collective (through :class:`StepWatch` when the parallel module keeps
+        one: a rank that skipped backward is then an error here in seconds, not a hang)."""
+        if self.watch is None:
+            work.wait()
+        else:
+            self.watch.wait(work)
+
     def raw_all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
                        phase: str | None = None) -> torch.Tensor:
         """In-place all-reduce of a contiguous tensor; returns it."""
         t = t.contiguous()
         self.counter.add("all_reduce", axes, phase or self.phase, _nbytes(t))
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group(axes))
+        self.wait(dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group(axes),
+                                  async_op=True))
         return t
 
     def all_gather(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
@@ -139,7 +150,7 @@ class MeshComm(MeshCoordinates):
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self.counter.add("all_gather", (axis,), phase, _nbytes(out))
-        dist.all_gather_single(out, src, group=self.group((axis,)))
+        self.wait(dist.all_gather_single(out, src, group=self.group((axis,)), async_op=True))
         # contiguous, as the single-device op's output is: a later aten.view needs the strides
         return out.movedim(0, dim).contiguous()
 
@@ -148,7 +159,8 @@ class MeshComm(MeshCoordinates):
         n = math.prod(self.mesh_shape[a] for a in axes)
         out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
         self.counter.add("all_gather", tuple(axes), phase, _nbytes(out))
-        dist.all_gather_single(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)))
+        self.wait(dist.all_gather_single(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)),
+                                         async_op=True))
         return out
 
     def reduce_scatter_flat(self, whole: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
@@ -158,7 +170,7 @@ class MeshComm(MeshCoordinates):
         whole = whole.contiguous().reshape(-1)
         out = torch.empty(whole.numel() // n, dtype=whole.dtype, device=whole.device)
         self.counter.add("reduce_scatter", tuple(axes), phase, _nbytes(whole))
-        dist.reduce_scatter_single(out, whole, group=self.group(tuple(axes)))
+        self.wait(dist.reduce_scatter_single(out, whole, group=self.group(tuple(axes)), async_op=True))
         return out
 
     def split(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
@@ -170,7 +182,7 @@ class MeshComm(MeshCoordinates):
         src = torch.stack(t.chunk(n, dim_to)).contiguous()
         out = torch.empty_like(src)
         self.counter.add("all_to_all", (axis,), phase, _nbytes(t))
-        dist.all_to_all_single(out, src, group=self.group((axis,)))
+        self.wait(dist.all_to_all_single(out, src, group=self.group((axis,)), async_op=True))
         return torch.cat(out.unbind(0), dim=dim_from)
 
     def reduce_scatter(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
@@ -180,7 +192,7 @@ class MeshComm(MeshCoordinates):
         src = torch.stack(chunks).flatten(0, 1) if t.ndim else torch.stack(chunks)
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         self.counter.add("reduce_scatter", (axis,), phase, _nbytes(t))
-        dist.reduce_scatter_single(out, src, group=self.group((axis,)))
+        self.wait(dist.reduce_scatter_single(out, src, group=self.group((axis,)), async_op=True))
         return out
 
     def to_partial(self, t: torch.Tensor, axis: int) -> torch.Tensor:

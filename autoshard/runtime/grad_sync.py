@@ -88,7 +88,7 @@ class GradSync:
         for b in self.buckets:
             if b.work is None:
                 continue
-            b.work.wait()
+            self.comm.wait(b.work)
             params = {id(p): p for p in b.params}
             offset = 0
             for i in b.order:

@@ -34,6 +34,7 @@ from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
 from .replicas import INPUT_CHECKS, REPLICA_MODES, agree_on_step, agree_on_tensors, random_nodes
+from .step_watch import StepWatch
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     ``"broadcast"`` gives every rank rank 0's values. ``pmodel.replicas`` says which was done.
     ``check_inputs``: ``"first"`` (default) checks on the first call in each mode that every rank passed the same
     batch (global input mode) and, when the model draws random numbers (dropout), has the same RNG
-    state; ``"always"`` on every call, and also that every rank ran backward on as many steps (a
-    rank that skips a backward whose collectives the others wait in ends in the collective timeout
-    instead); ``"never"`` not at all.
+    state; ``"always"`` on every call; ``"never"`` not at all. Unless ``"never"``, every rank must also run
+    backward on the same steps (calls whose outputs need a gradient): a rank that skips one while
+    others run it gets :class:`~autoshard.runtime.step_watch.SkippedBackwardError` (a
+    ``ReplicaMismatchError``) at its next call, and so do the others: within a second where they wait
+    in a collective (that backward's gradient all-reduce), else at their next call. No collective is
+    added per step (a key-value store write and read); with ``"always"`` every rank waits for every
+    rank's word at each call and all raise at the same call. Every rank skipping backward
+    (evaluation under grad mode) is fine.
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -144,8 +150,12 @@ class ParallelModule(nn.Module):
             args, kwargs = example_inputs(plan)
         graph = graph or _capture_meta(model, plan, args, kwargs)
         plan.check(graph)
-        _agree_across_ranks(plan, graph, device_mesh)
+        serial = _agree_across_ranks(plan, graph, device_mesh)
         self.comm = MeshComm(device_mesh, CommCounter())
+        # whether every rank runs backward on the same steps (keys of this model: its serial number)
+        self._watch = None if check_inputs == "never" else \
+            StepWatch(f"{serial}", barrier=check_inputs == "always", poll=device_mesh.device_type == "cpu")
+        self.comm.watch = self._watch
         self._constant_values = lifted_constants(model, graph)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
@@ -154,8 +164,6 @@ class ParallelModule(nn.Module):
         main = self._make_mode(graph, plan)
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
-        self._grad_steps = 0                       # forwards whose outputs need a backward
-        self._backward_steps: set[int] = set()     # those a gradient has reached
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
         object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
         self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
@@ -306,6 +314,8 @@ class ParallelModule(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._watch is not None:
+            self._watch.before_forward()             # before any collective: did a rank skip a backward?
         mode = self._mode(self.training)
         leaves = mode.binder.flatten(args, kwargs)
         feeds = []
@@ -328,22 +338,24 @@ class ParallelModule(nn.Module):
         if always or (self.check_inputs == "first" and self.training not in self._checked_modes and
                       (self.input_mode == "global" or mode.random)):
             agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
-                          backward=(self._grad_steps, len(self._backward_steps)) if always else None)
+                          wait=self.comm.wait if self._watch is not None and self._watch.poll else None)
         self._checked_modes.add(self.training)
         out = mode.program.module(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
-        if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
+        if self._watch is not None and torch.is_grad_enabled() and \
+                any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
             self._watch_backward(out)
         return pytree.tree_unflatten(out, mode.out_spec)
 
     def _watch_backward(self, outputs: list[Any]) -> None:
-        """Count this step as one that needs a backward, and mark it done when a gradient reaches any
-        of its outputs (``check_inputs="always"`` compares the counts across ranks)."""
-        step = self._grad_steps
-        self._grad_steps += 1
+        """Count this call as a step that needs a backward, and tell the watch when a gradient reaches
+        any of its outputs (the start of its backward, before any backward collective)."""
+        watch = self._watch
+        assert watch is not None
+        step = watch.new_step()
 
         def done(grad: torch.Tensor) -> None:
-            self._backward_steps.add(step)
+            watch.backward_started(step)
 
         for o in outputs:
             if isinstance(o, torch.Tensor) and o.requires_grad:
@@ -547,14 +559,22 @@ def _plan_digest(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _agree_across_ranks(plan: Plan, graph: CapturedGraph, device_mesh) -> None:
+_next_serial = 0            # the serial number this process proposes for its next parallel model
+
+
+def _agree_across_ranks(plan: Plan, graph: CapturedGraph, device_mesh) -> int:
     """Every rank must hold the same plan for the same graph on the same mesh; a difference is an
-    error on every rank (never a hang: all ranks reach this exchange)."""
+    error on every rank (never a hang: all ranks reach this exchange). Returns the model's serial
+    number, the same on every rank and new in this process (the largest any rank proposes)."""
+    global _next_serial
     mine = {"plan": _plan_digest(plan), "graph": graph.fingerprint(), "mesh": list(device_mesh.shape)}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, {**mine, "serial": _next_serial})
+    serial = max(theirs.pop("serial") for theirs in everyone)
+    _next_serial = serial + 1
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         what = sorted({k for r in differ for k in mine if everyone[r][k] != everyone[0][k]})
         raise PlanDisagreementError(f"ranks {differ} differ from rank 0 in {', '.join(what)}: every rank must "
                                     f"load the same plan for the same model (save it once, load it everywhere)")
+    return serial

@@ -10,7 +10,8 @@ whole mask and keeps its block): :func:`agree_on_step` checks both with one smal
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping
+import pickle
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,24 @@ def checksum(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], str]:
     return total, weighted, tuple(t.shape), str(t.dtype)
 
 
-def _gather(mine: Any) -> list[Any]:
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+def _gather(mine: Any, wait: Callable[[Any], None] | None = None) -> list[Any]:
+    """Every rank's ``mine``. ``wait``: how to wait for the collectives (:meth:`MeshComm.wait
+    <autoshard.runtime.collectives.MeshComm.wait>`, which raises a diagnosis posted meanwhile instead of
+    waiting for a rank that will not come); then the pickled objects travel as CPU tensors (gloo)."""
+    world = dist.get_world_size()
+    if wait is None:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+    sizes = torch.empty(world, dtype=torch.int64)
+    wait(dist.all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64), async_op=True))
+    most = int(sizes.max())
+    padded = torch.zeros(most, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    out = torch.empty(world * most, dtype=torch.uint8)
+    wait(dist.all_gather_into_tensor(out, padded, async_op=True))
+    return [pickle.loads(out[r * most:r * most + int(n)].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
 
 
 def agree_on_tensors(tensors: Mapping[str, torch.Tensor], mode: str) -> tuple[dict[str, torch.Tensor], str]:
@@ -123,20 +138,19 @@ def _rng_digest(device: torch.device) -> str:
 
 
 def agree_on_step(inputs: list[tuple[str, Any]] | None, random: list[str], device: torch.device, *,
-                  backward: tuple[int, int] | None = None) -> None:
+                  wait: Callable[[Any], None] | None = None) -> None:
     """:class:`ReplicaMismatchError` unless every rank passed the same inputs (``inputs``: (where,
-    value) pairs; None in local input mode, where each rank passes its own shard), when the program
-    draws random numbers (``random``: its random nodes) every rank has the same RNG state, and
-    (``backward``: steps that needed a backward, steps that got one) every rank ran backward on as
-    many steps. Collective: every rank must call it with the same kind of arguments."""
+    value) pairs; None in local input mode, where each rank passes its own shard) and, when the
+    program draws random numbers (``random``: its random nodes), every rank has the same RNG state.
+    ``wait``: see :func:`_gather`. Collective: every rank must call it with the same kind of arguments.
+    (Whether every rank ran backward on the same steps is :class:`~autoshard.runtime.step_watch.StepWatch`'s
+    business.)"""
     mine: dict[str, Any] = {}
-    if backward is not None:
-        mine["backward"] = backward
     if inputs is not None:
         mine["inputs"] = [(where, checksum(v) if isinstance(v, torch.Tensor) else repr(v)) for where, v in inputs]
     if random:
         mine["rng"] = _rng_digest(device)
-    everyone = _gather(mine)
+    everyone = _gather(mine, wait)
     if "inputs" in mine:
         bad = sorted({where for theirs in everyone
                       for (where, a), (_, b) in zip(theirs["inputs"], everyone[0]["inputs"]) if a != b})
@@ -147,13 +161,6 @@ def agree_on_step(inputs: list[tuple[str, Any]] | None, random: list[str], devic
                 f"differ on rank(s) {ranks} from rank 0: give every rank the same data (same seed and order), or "
                 f"parallelize with input_mode='local' and pass each rank its shard (pmodel.comm.shard_input); "
                 f"check_inputs='never' skips this check")
-    if "backward" in mine:
-        ranks = [r for r, theirs in enumerate(everyone) if theirs["backward"] != everyone[0]["backward"]]
-        if ranks:
-            counts = ", ".join(f"rank {r}: {b} of {n}" for r, (n, b) in enumerate(t["backward"] for t in everyone))
-            raise ReplicaMismatchError(
-                f"ranks ran backward on different numbers of training steps ({counts} steps): every rank must call "
-                f"backward on the same steps, or the replicas drift apart; run the same loop on every rank")
     if "rng" in mine:
         ranks = [r for r, theirs in enumerate(everyone) if theirs["rng"] != everyone[0]["rng"]]
         if ranks:

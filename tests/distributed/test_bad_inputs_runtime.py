@@ -9,6 +9,10 @@ every rank, and ``train()``/``eval()`` behave as on the original module.
 - global input mode: a different batch on one rank, or per-rank RNG seeds with dropout, are errors on
   the first step; ``check_inputs="never"`` turns the check off.
 - inputs: keyword calls bind like the model's forward; wrong dtype or names are InputErrors.
+- backward: a rank that skips backward on a step the others run is a SkippedBackwardError on every rank
+  (here with a replicated plan, which has no collective to wait in; the data-parallel plan, whose
+  gradient all-reduce the others would wait in, runs in its own launch: tests/test_runtime_errors.py);
+  every rank skipping backward is legal and training stays exact.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import autoshard
 from autoshard.api import ArgumentError
 from autoshard.runtime.inputs import InputError
 from autoshard.runtime.replicas import ReplicaMismatchError
+from autoshard.runtime.step_watch import SkippedBackwardError
 from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -183,16 +188,97 @@ def _replicated_plan(model: nn.Module) -> autoshard.Plan:
                                         budget=None)
 
 
-def test_a_rank_that_skips_backward_is_an_error() -> None:
+def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+_SKIPPED = r"rank 3 did not run backward on training step {} .*while ranks 0, 1, 2 did.*same training loop on every rank"
+
+
+def test_a_rank_that_skips_backward_is_an_error_at_the_same_call_with_check_always() -> None:
+    """``check_inputs="always"``: every rank waits for every rank's word on the last step at each
+    call, so all raise at the same call (the replicated plan has no collective to wait in)."""
+    model = _mlp()
     pm = autoshard.parallelize(model, _replicated_plan(model), device_mesh(MESH), check_inputs="always")
     pm(_batch(0)).sum().backward()
     loss = pm(_batch(1)).sum()
     if dist.get_rank() != 3:
         loss.backward()
-    with pytest.raises(ReplicaMismatchError, match=r"rank 3: 1 of 2.*same steps"):
+    with pytest.raises(SkippedBackwardError, match=_SKIPPED.format(2)):
         pm(_batch(2))
+    with pytest.raises(SkippedBackwardError, match=_SKIPPED.format(2)):     # and at every later call
+        pm(_batch(3))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("skip_step", [1, 3])
+def test_a_rank_that_skips_backward_without_collectives_is_an_error_on_every_rank(skip_step: int) -> None:
+    """Default ``check_inputs``, fully replicated plan (no collective at all, so the ranks' replicas
+    would drift apart silently): rank 3 skips backward on ``skip_step``; it raises
+    ``SkippedBackwardError`` at its next call, the others at one of their next calls (they run ahead
+    freely; each call reads the diagnosis rank 3 posts), within seconds.
+
+    Fails before the step watch: with the default ``check_inputs`` nothing is checked, every rank
+    runs all its calls."""
+    import time
+
+    model = _mlp()
+    pm = autoshard.parallelize(model, _replicated_plan(model), device_mesh(MESH))
+    assert pm.check_inputs == "first"
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for step in range(1, skip_step):
+        pm(_batch(step)).sum().backward()
+        opt.step(), opt.zero_grad()
+    loss = pm(_batch(skip_step)).sum()
+    if rank != 3:
+        loss.backward()
+        opt.step(), opt.zero_grad()
+    deadline = time.monotonic() + 20
+    calls = 0
+    with pytest.raises(SkippedBackwardError, match=_SKIPPED.format(skip_step)):
+        while time.monotonic() < deadline:          # rank 3 raises at once; the others when rank 3 has told
+            calls += 1
+            pm(_batch(skip_step + calls)).sum().backward()
+            opt.step(), opt.zero_grad()
+            time.sleep(0.05)
+    if rank == 3:
+        assert calls == 1, f"rank 3 raised at its call {calls} after the skipped step, not the next one"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["data-parallel", "replicated"])
+def test_every_rank_skipping_backward_is_legal_and_training_stays_exact(kind: str) -> None:
+    """A forward without backward on every rank (evaluation under grad mode) is no error, and the
+    training around it equals one device's: on step 1, on a later step, and two calls before one
+    backward (gradient accumulation across calls). Both with a plan whose backward all-reduces the
+    gradients (data parallel) and one with no collective (replicated)."""
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    plan = _shared_plan(ref) if kind == "data-parallel" else _replicated_plan(ref)
+    pm = autoshard.parallelize(model, plan, device_mesh(MESH))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def run(step: int) -> None:
+        x = _batch(step)
+        if step in (1, 4):                     # every rank: forward under grad mode, no backward
+            _assert_close(pm(x), ref(x), f"forward of step {step} without backward")
+            return
+        if step == 6:                          # two calls, one backward
+            loss, want = pm(x).square().mean() + pm(x + 1).square().mean(), \
+                ref(x).square().mean() + ref(x + 1).square().mean()
+        else:
+            loss, want = pm(x).square().mean(), ref(x).square().mean()
+        _assert_close(loss, want, f"loss of step {step}")
+        loss.backward(), want.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    for step in range(1, 9):
+        run(step)
+    full = pm.state_dict()
+    for k, v in ref.state_dict().items():
+        _assert_close(full[k], v, f"{k} after training")
 
 
 def test_plan_once_failure_reaches_every_rank():
