@@ -102,9 +102,10 @@ def test_the_ilp_prices_gathers_once_per_block_as_the_runtime_runs_them(hardware
 
 
 def test_gathered_parameters_are_held_until_backward_and_counted():
-    """Gathered copies stay alive from their use in forward to their backward: the plan's memory
-    counts every parameter read larger than stored (the runtime's per-block gathers, and the
-    position table resharded for its one use), per read (GPT-2's tied embedding twice)."""
+    """Gathered copies stay alive from their use in forward to their backward where the consumer
+    saves them: the plan's memory counts them, at most every parameter read larger than stored
+    (biases and embedding tables are not saved; the distributed memory test compares the count
+    with what autograd saves on 4 ranks)."""
     from autoshard.param_gather import gathered_bytes
     from autoshard.solver.ilp import param_gathers
 
@@ -116,7 +117,7 @@ def test_gathered_parameters_are_held_until_backward_and_counted():
             stored = e.src_specs[e.src_index[sol.choice[e.src]]].local_numel(e.tensor.shape, MESH)
             read = e.dst_specs[e.dst_index[sol.choice[e.dst]]].local_numel(e.tensor.shape, MESH)
             reads += read * e.tensor.dtype.itemsize if read > stored else 0
-    assert 0 < gathered < sol.memory.param_copies == reads
+    assert 0.5 * gathered < sol.memory.param_copies < reads
     assert sol.memory.peak == pytest.approx(sol.memory.params + sol.memory.grads + sol.memory.optimizer
                                             + sol.memory.param_copies + max(sol.memory.activations,
                                                                             sol.memory.backward_peak))

@@ -19,9 +19,10 @@ what the consumer's strategy ``c`` then pays on the critical path, owed whenever
 pair is chosen.
 
 Memory: a parameter read in a layout larger than it is stored (gathered, or resharded for one use)
-is a copy that its consumer holds until backward; ``held`` prices it (bytes per device) on every
-such pair, as static memory. A parameter read twice in one block is counted twice (the runtime
-gathers it once): an over-count on the safe side.
+is a copy; where its consumer saves that operand for backward (a matmul's weight, a norm's scale;
+not a bias, not an embedding table: the op's profile says which) the copy is held until backward,
+and ``held`` prices it (bytes per device), as static memory. A parameter read twice in one block
+is counted per read (the runtime gathers it once): an over-count on the safe side.
 
 One description, used by the ILP's terms and by :func:`~.ilp.predict` / :func:`~.ilp.objective_of`
 to evaluate an assignment exactly as the ILP does.
@@ -35,6 +36,7 @@ import numpy as np
 
 from ..comm import ALL_GATHER, REDUCE_SCATTER, collective_cost
 from ..grad_reduction import Axes, live
+from ..opinfo import OpInfo
 from ..param_gather import block_of
 from ..specs import ShardSpec
 from ..strategy import BWD
@@ -98,12 +100,13 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
     gather_axes = np.full(seconds.shape, None, dtype=object)
     held = np.zeros(seconds.shape)
     resharded = np.zeros(seconds.shape, dtype=bool)
+    saved = _saved_by_consumer(cg, e)
     for a, src in enumerate(e.src_specs):
         src_bytes = src.local_numel(shape, mesh_shape) * item
         axes = _gather_axes(src, mesh_shape) if carries_grad else None
         for b, dst in enumerate(e.dst_specs):
             dst_bytes = dst.local_numel(shape, mesh_shape) * item
-            if dst_bytes > src_bytes:
+            if saved and dst_bytes > src_bytes:
                 held[a, b] = dst_bytes
             if axes is not None and dst.is_replicated():
                 gather_axes[a, b] = axes
@@ -117,6 +120,16 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
                            if c.phase == BWD and c.bucketed and c.operand == f"in{e.operand}")
                        for k in range(len(e.dst_index))])
     return ParamEdgePrice(seconds, gather_axes, held, resharded, inline, blocks)
+
+
+def _saved_by_consumer(cg: CostGraph, e: CGEdge) -> bool:
+    """Whether the consumer keeps operand ``e.operand`` for its backward (its op profile's saved
+    inputs, the list the strategies' saved-activation bytes come from)."""
+    node = cg.graph.node(e.dst_member)
+    if node.op != "call_function":
+        return False
+    profile = OpInfo(node, cg.graph, cg.mesh).profile()
+    return any(s.source == "input" and s.index == e.operand for s in profile.saved)
 
 
 def _gather_axes(spec: ShardSpec, mesh_shape: Sequence[int]) -> Axes | None:

@@ -161,3 +161,26 @@ def test_batchnorm_buffers_update_once_under_memory_decisions(decision):
     counter): the region takes it by reference (a saved tensor's version check would fail) and its
     recomputation in backward updates copies, so the buffers equal the single-device model's."""
     on_all_ranks(f"cnn (BatchNorm) with every segment {decision}", _batchnorm_run, decision)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gathered_parameter_copies_are_what_autograd_saves(name):
+    """ZeRO-3 computes what data parallelism computes, on parameters gathered per block: what
+    autograd saves beyond the data-parallel plan's activations (the copies; the meter counts a
+    gathered copy as a parameter) is the plan's ``param_copies``, to the byte."""
+    from autoshard.runtime.memory_meter import SavedTensorMeter
+
+    saved = {}
+    for baseline in ("data_parallel", "zero3"):
+        plan = _plan_on_rank0(name, hardware="cpu-gloo", baseline=baseline)
+        model, _, kwargs = _model(name)
+        pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
+        with SavedTensorMeter() as meter:
+            out = pm(**kwargs)
+            report = meter.report()
+        out.loss.backward()
+        saved[baseline] = (report, plan)
+    (dp, dp_plan), (zero3, zero3_plan) = saved["data_parallel"], saved["zero3"]
+    assert dp_plan.memory.get("param_copies", 0) == 0 and zero3_plan.memory["activations"] == dp_plan.memory["activations"]
+    copies = zero3.activation_bytes + zero3.parameter_bytes - dp.activation_bytes
+    assert copies > 0 and copies == zero3_plan.memory["param_copies"]
