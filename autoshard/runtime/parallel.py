@@ -28,7 +28,7 @@ from ..capture import CapturedGraph, TensorMeta, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
 from ..specs import ShardSpec
-from .collectives import CommCounter, MeshComm, shard_input
+from .collectives import CommCounter, MeshComm, gather_whole, shard_input
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
@@ -383,7 +383,10 @@ class ParallelModule(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
-        return {k: v.full_tensor() for k, v in self.sharded_state_dict().items()}
+        # gathered by the runtime's own collectives, one per sharded dim (DTensor's full_tensor gathers
+        # a dim sharded over both axes in two steps and logs a warning about it on every rank)
+        return {k: gather_whole(v.detach(), self.comm, self.specs[k].dims)
+                for k, v in super().state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
@@ -404,7 +407,7 @@ class ParallelModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Parameter FQN -> the full (gathered) gradient, or None (collective)."""
-        return {k: None if p.grad is None else self._dtensor(k, p.grad).full_tensor()
+        return {k: None if p.grad is None else gather_whole(p.grad, self.comm, self.specs[k].dims)
                 for k, p in self.named_parameters()}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
