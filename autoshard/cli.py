@@ -383,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.fn(args)
     except _user_errors() as e:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        message = message.replace("fallback='replicate'", "--fallback replicate")   # the flag, not the keyword
         print(f"autoshard {args.command}: error: {message}", file=sys.stderr)
         return 2
 
