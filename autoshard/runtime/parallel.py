@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from ..capture import CapturedGraph, TensorMeta, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
+from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
 from .constants import ConstantError, lifted_constants
@@ -47,7 +48,7 @@ class PlanDisagreementError(PlanError):
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
                 input_mode: str = "global", checkpoint: str | None = None,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None,
-                replicas: str = "check", check_inputs: str = "first") -> "ParallelModule":
+                replicas: str = "check", check_inputs: str = "first", progress: bool = False) -> "ParallelModule":
     """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
 
     ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
@@ -67,7 +68,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     batch (global input mode) and, when the model draws random numbers (dropout), has the same RNG
     state; ``"always"`` on every call, and also that every rank ran backward on as many steps (a
     rank that skips a backward whose collectives the others wait in ends in the collective timeout
-    instead); ``"never"`` not at all.
+    instead); ``"never"`` not at all. ``progress``: rank 0 reports each stage (capture, plan check,
+    lowering, parameter shards) on stderr (:mod:`autoshard.progress`).
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -98,7 +100,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
                           checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph, replicas=replicas,
-                          check_inputs=check_inputs)
+                          check_inputs=check_inputs, progress=progress)
 
 
 @dataclass
@@ -127,7 +129,8 @@ class ParallelModule(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
                  kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
                  checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first") -> None:
+                 graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first",
+                 progress: bool = False) -> None:
         super().__init__()
         _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
@@ -142,16 +145,21 @@ class ParallelModule(nn.Module):
             if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type)
         if args is None and kwargs is None and (graph is None or plan.inputs is not None):
             args, kwargs = example_inputs(plan)
-        graph = graph or _capture_meta(model, plan, args, kwargs)
-        plan.check(graph)
-        _agree_across_ranks(plan, graph, device_mesh)
+        stages = Progress(bool(progress) and dist.get_rank() == 0)
+        if graph is None:
+            with stages.stage(f"capturing {plan.model_name} on meta tensors"):
+                graph = _capture_meta(model, plan, args, kwargs)
+        with stages.stage("checking the plan against the graph on every rank"):
+            plan.check(graph)
+            _agree_across_ranks(plan, graph, device_mesh)
         self.comm = MeshComm(device_mesh, CommCounter())
         self._constant_values = lifted_constants(model, graph)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self._signature = None
-        main = self._make_mode(graph, plan)
+        with stages.stage(f"lowering the plan to this rank's program ({len(graph.graph.nodes)} nodes)"):
+            main = self._make_mode(graph, plan)
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
         self._grad_steps = 0                       # forwards whose outputs need a backward
@@ -160,7 +168,8 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
         self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
                          _to_meta(dict(kwargs or {})))
-        self._install_state(model, graph, checkpoint, replicas)
+        with stages.stage("placing this rank's parameter shards" + (f" from {checkpoint}" if checkpoint else "")):
+            self._install_state(model, graph, checkpoint, replicas)
         self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
                                                for p, axes in self._bucketed(main)], bucket_bytes)
         self.train(model.training)
