@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -20,6 +19,7 @@ from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
 from .plans import Plan
+from .progress import Progress
 from .solver.costgraph import build_cost_graph
 from .solver.ilp import SolverOptions, solve
 from .units import format_bytes, parse_bytes
@@ -109,15 +109,18 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
         _check_batch([(where, tuple(shape)) for where, shape, _ in inputs], mesh_spec)
     options = SolverOptions(memory_budget=budget, optimizer_bytes_per_param=opt_bytes,
                             solver=solver, time_limit=seconds, gap_rel=gap)
-    stages = _Stages(progress)
-    with stages("capture_s", f"capturing {name or _label(model_or_graph)}"):
-        graph = _captured(model_or_graph, args, kwargs, name)
-    with stages("enumerate_s", f"enumerating strategies on mesh {mesh_spec}"):
+    stages = Progress(progress)
+    if isinstance(model_or_graph, CapturedGraph):       # captured already: no stage to show
+        graph, stages.seconds["capture_s"] = model_or_graph, 0.0
+    else:
+        with stages.stage(f"capturing {name or _label(model_or_graph)} on meta tensors", "capture_s"):
+            graph = _captured(model_or_graph, args, kwargs, name)
+    with stages.stage(f"enumerating strategies on mesh {mesh_spec}", "enumerate_s"):
         table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs)
-    with stages("costgraph_s", "building the cost graph"):
+    with stages.stage("building the cost graph", "costgraph_s"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
-    with stages("solve_wall_s", f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)"), \
+    with stages.stage(f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)", "solve_wall_s"), \
             _stdout_to_stderr():
         from .solver.baselines import best_by_step_model, solve_baseline
 
@@ -132,7 +135,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     if isinstance(model_or_graph, nn.Module):
         result.training = model_or_graph.training
         if other_mode:
-            with stages("other_mode_s", f"planning {'eval' if result.training else 'training'} mode"):
+            with stages.stage(f"planning {'eval' if result.training else 'training'} mode", "other_mode_s"):
                 result.other_mode = _other_mode(result, graph, model_or_graph, args, kwargs, name)
     return result
 
@@ -289,32 +292,3 @@ def _stdout_to_stderr() -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, out)
         os.close(saved)
-
-
-class _Stages:
-    """Times each stage; with ``progress``, shows a spinner while it runs and a line when done."""
-
-    def __init__(self, progress: bool) -> None:
-        self.seconds: dict[str, float] = {}
-        self.console = None
-        if progress:
-            from rich.console import Console
-
-            self.console = Console(stderr=True)
-
-    @contextlib.contextmanager
-    def __call__(self, key: str, message: str) -> Iterator[None]:
-        start = time.perf_counter()
-        if self.console is None:
-            yield
-        else:
-            from rich.markup import escape
-
-            with self.console.status(f"{escape(message)}..."):
-                yield
-        self.seconds[key] = time.perf_counter() - start
-        if self.console is not None:
-            from rich.markup import escape
-
-            self.console.print(f"[green]done[/green] {escape(message)} ({self.seconds[key]:.2f} s)",
-                               highlight=False)

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .progress import Progress
+
 console = Console(stderr=False)
 _plain = False        # set by _set_output: no colours, no box drawing, no wrapping
 
@@ -62,7 +64,7 @@ def _graph(args: argparse.Namespace):
     """Capture the model named on the command line on meta tensors (repeated layers folded)."""
     from .fold import capture_preset
 
-    with Console(stderr=True).status(f"capturing {escape(args.model)} on meta tensors..."):
+    with Progress().stage(f"capturing {args.model} on meta tensors"):
         return capture_preset(args.model, device="meta", batch=args.batch, seq=args.seq,
                               num_layers=getattr(args, "layers", None))
 
@@ -87,7 +89,7 @@ def _enumerate(args: argparse.Namespace) -> int:
 
     _preflight(args)
     graph = _graph(args)
-    with console.status(f"enumerating strategies on mesh {args.mesh}..."):
+    with Progress().stage(f"enumerating strategies on mesh {args.mesh}"):
         table = enumerate_strategies(graph, mesh_shape=args.mesh, hardware=args.hardware, fallback=args.fallback)
     console.print(f"{len(table)} nodes, {table.total_strategies()} strategies, {table.seconds:.2f} s")
     for fb in table.fallbacks:
@@ -116,7 +118,6 @@ def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     graph = _graph(args)
     capture_s = time.perf_counter() - t0
-    Console(stderr=True).print(f"captured {escape(args.model)} ({len(graph.graph.nodes)} nodes) in {capture_s:.2f} s")
     result = plan(graph, mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
                   optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
                   merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
@@ -383,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.fn(args)
     except _user_errors() as e:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        message = message.replace("fallback='replicate'", "--fallback replicate")   # the flag, not the keyword
         print(f"autoshard {args.command}: error: {message}", file=sys.stderr)
         return 2
 

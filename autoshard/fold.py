@@ -810,6 +810,11 @@ def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: i
     model, args, kwargs = build_model(name, **options)
     depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if not fold or not isinstance(depth, int):
+        if torch.device(device).type == "meta":
+            # a factory without device= builds where it likes; capture it on meta as parallelize does
+            from .runtime.parallel import capture_meta
+
+            return capture_meta(model, args, kwargs, name=name)
         return capture(model, args, kwargs, name=name)
 
     def build(layers: int) -> Built:

@@ -4,7 +4,8 @@
 ``(model, args, kwargs)``.
 Presets build on the ``meta`` device by default (no memory allocated); pass ``device="cpu"`` (or a
 GPU) for real weights. Besides preset names, ``name`` may be ``"path/to/file.py:factory"``, where
-``factory(**overrides)`` returns ``(model, args, kwargs)`` or ``(model, args)``.
+``factory(**overrides)`` returns ``(model, args, kwargs)`` or ``(model, args)``; it gets ``device=`` only
+if it takes that argument (``batch``/``seq``/overrides given explicitly are always passed).
 
 The Hugging Face presets need ``transformers`` (``pip install autoshard[hf]``), imported lazily.
 """
@@ -314,6 +315,8 @@ def _build_from_file(spec: str, **options: Any) -> Built:
                        and getattr(v, "__module__", None) == module.__name__)
         raise ModelZooError(f"{path} has no callable {factory_name!r}; it defines {', '.join(known) or 'none'}")
     kwargs = {k: v for k, v in options.items() if v is not None}
+    if "device" in kwargs and not _accepts(factory, "device"):
+        kwargs.pop("device")        # a factory without device= builds where it likes (capture needs no real data)
     try:
         result = factory(**kwargs)
     except TypeError as e:
@@ -323,6 +326,16 @@ def _build_from_file(spec: str, **options: Any) -> Built:
     except Exception as e:  # the factory is user code: its failure is reported as the user's, with the cause
         raise ModelZooError(f"{spec} raised {type(e).__name__}: {e}; fix the factory") from e
     return _normalise_factory_result(spec, result)
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):      # no signature to read (a builtin): pass it and let the call say
+        return True
+    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+               for p in params)
 
 
 def _normalise_factory_result(spec: str, result: Any) -> Built:

@@ -57,6 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .hardware import COMPUTE_FAMILIES, ComputeCurve, HardwareProfile, LinkModel, OptimizerModel, load_hardware
 from .mesh import MeshError, MeshSpec
+from .progress import Progress
 from .units import format_bytes, parse_bytes
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
@@ -442,23 +443,34 @@ def _compute_sizes(family: str, device: torch.device, points: int | None) -> tup
     return sizes if points is None else sizes[:points]
 
 
-def _measure_compute(device: torch.device, iters: int, points: int | None) -> dict[str, list[float]]:
+def _measure_compute(device: torch.device, iters: int, points: int | None,
+                     progress: Progress | None = None) -> dict[str, list[float]]:
     """This rank's compute timings: ``'<dtype>.<family>.<work|fwd|bwd>'`` -> one value per size."""
     out: dict[str, list[float]] = {}
+    progress = progress or Progress(False)
     for dname, dtype in _dtypes(device).items():
         for family, (_, builders) in COMPUTE_OPS.items():
-            rows = []
-            for size in _compute_sizes(family, device, points):
-                _barrier(None, device)
-                timed = [_time_op(family, build(size, dtype, device), device, iters) for build in builders]
-                works = {w for w, _, _ in timed}
-                if len(works) != 1:
-                    raise ProfileError(f"the {family} ops at size {size} differ in work: {sorted(works)}")
-                rows.append((works.pop(), statistics.median(f for _, f, _ in timed),
-                             statistics.median(b for _, _, b in timed)))
+            sizes = _compute_sizes(family, device, points)
+            with progress.stage(f"timing {dname} {family} compute ({len(sizes)} sizes)"):
+                rows = _time_family(family, builders, sizes, dtype, device, iters)
             for j, field in enumerate(("work", "fwd", "bwd")):
                 out[f"{dname}.{family}.{field}"] = [r[j] for r in rows]
     return out
+
+
+def _time_family(family: str, builders, sizes, dtype: torch.dtype, device: torch.device,
+                 iters: int) -> list[tuple[float, float, float]]:
+    """(work, median forward s, median backward s) per size of one compute family."""
+    rows = []
+    for size in sizes:
+        _barrier(None, device)
+        timed = [_time_op(family, build(size, dtype, device), device, iters) for build in builders]
+        works = {w for w, _, _ in timed}
+        if len(works) != 1:
+            raise ProfileError(f"the {family} ops at size {size} differ in work: {sorted(works)}")
+        rows.append((works.pop(), statistics.median(f for _, f, _ in timed),
+                     statistics.median(b for _, _, b in timed)))
+    return rows
 
 
 def _compute_curve(agreed: dict[str, list[float]], key: str) -> ComputeCurve:
@@ -533,14 +545,14 @@ def _physical_memory_per_rank() -> int:
 def measure_profile(mesh_shape: "MeshSpec | Sequence[int] | str", *, name: str = "measured",
                     sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 30, warmup: int = 5,
                     base: HardwareProfile | None = None, compute_iters: int = 10,
-                    compute_points: int | None = None) -> HardwareProfile:
+                    compute_points: int | None = None, progress: bool = False) -> HardwareProfile:
     """Measure this cluster as a HardwareProfile; collective, so call it on every rank.
 
     ``base`` supplies what is not measured: the link of a size-1 axis (without ``base`` it copies
     the other axis) and FLOP/s of dtypes other than those timed. ``compute_iters`` bounds the timed
     runs of each compute, optimizer and overlap measurement (fewer where they would exceed about a
     second, at least 3); ``compute_points`` keeps only the that many smallest sizes of each compute
-    family (a quick measurement; None: all).
+    family (a quick measurement; None: all). ``progress``: report each stage on stderr (rank 0 only).
     """
     mesh = MeshSpec.of(mesh_shape)
     if len(sizes) < 2 or min(sizes) < 4:
@@ -554,7 +566,7 @@ def measure_profile(mesh_shape: "MeshSpec | Sequence[int] | str", *, name: str =
             raise MeshError(f"mesh {mesh} needs {mesh.size} ranks but torchrun started {dist.get_world_size()}; "
                             f"pass --nproc_per_node={mesh.size} or another --mesh")
         return _measure(mesh, name, sorted(int(s) for s in sizes), iters, warmup, base,
-                        compute_iters, compute_points)
+                        compute_iters, compute_points, Progress(progress and dist.get_rank() == 0))
     finally:
         if created:
             dist.destroy_process_group()
@@ -571,7 +583,8 @@ def _agree(local: dict[str, list[float]], device: torch.device) -> dict[str, lis
 
 
 def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: int,
-             base: HardwareProfile | None, compute_iters: int, compute_points: int | None) -> HardwareProfile:
+             base: HardwareProfile | None, compute_iters: int, compute_points: int | None,
+             progress: Progress) -> HardwareProfile:
     from torch.distributed.device_mesh import init_device_mesh
 
     device = _device()
@@ -582,13 +595,18 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     groups = {str(a): dmesh.get_group(a) for a in measured_axes} | ({"world": dist.group.WORLD} if both_axes else {})
     for kind in ("all_reduce", *MEASURED_KINDS):
         for key, group in groups.items():
-            local[f"{kind}.{key}"] = _time_collective(kind, group, sizes, device, iters, warmup)
-    roof = _measure_local(device, iters, warmup)
+            where = "all devices" if key == "world" else f"mesh axis {key}"
+            with progress.stage(f"timing {kind} on {where} ({len(sizes)} sizes x {iters} runs)"):
+                local[f"{kind}.{key}"] = _time_collective(kind, group, sizes, device, iters, warmup)
+    with progress.stage("timing matmul peak and memory copies"):
+        roof = _measure_local(device, iters, warmup)
     local["matmul"] = list(roof.matmul_s.values())
     local["copy"] = [roof.copy_s] + ([roof.host_copy_s] if roof.host_copy_s is not None else [])
-    local.update(_measure_compute(device, compute_iters, compute_points))
-    local.update(_measure_optimizer(device, compute_iters))
-    local.update(_measure_overlap(device, compute_iters))
+    local.update(_measure_compute(device, compute_iters, compute_points, progress))
+    with progress.stage("timing the optimizer step (AdamW)"):
+        local.update(_measure_optimizer(device, compute_iters))
+    with progress.stage("timing all-reduce overlap with compute"):
+        local.update(_measure_overlap(device, compute_iters))
     agreed = _agree(local, device)
 
     nbytes = [4 * (s // 4) for s in sizes]
@@ -717,7 +735,7 @@ def run_profile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     profile = measure_profile(args.mesh, name=args.name, sizes=sizes, iters=args.iters,
                               warmup=args.warmup, base=base, compute_iters=args.compute_iters,
-                              compute_points=args.compute_points)
+                              compute_points=args.compute_points, progress=True)
     if int(os.environ.get("RANK", 0)) == 0:
         out = args.out or f"{args.name}.yaml"
         profile.save(out)

@@ -75,6 +75,9 @@ def peak(fn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()   # no options (--help)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(*[Block(WIDTH, HEADS) for _ in range(LAYERS)]).eval()

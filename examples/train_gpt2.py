@@ -42,7 +42,8 @@ def get_plan(args, model, example: dict) -> Plan:
         plan = Plan.load(args.plan)
     else:
         plan = autoshard.plan_once(model, kwargs=example, mesh=args.mesh, hardware=args.hardware,
-                                   memory_budget=args.budget, baseline=args.baseline, outputs=args.outputs)
+                                   memory_budget=args.budget, baseline=args.baseline, outputs=args.outputs,
+                                   progress=True)   # the planning rank reports each stage on stderr
     if dist.get_rank() == 0:
         print("\n".join(plan.summary_lines()), flush=True)
     return plan
@@ -76,7 +77,7 @@ def main() -> None:
     seq = example["input_ids"].shape[1]
     plan = get_plan(args, model, example)
     reference = copy.deepcopy(model) if args.check else None
-    pmodel = autoshard.parallelize(model, plan, mesh)
+    pmodel = autoshard.parallelize(model, plan, mesh, progress=True)   # rank 0 reports each stage on stderr
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
     if rank == 0:

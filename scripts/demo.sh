@@ -9,11 +9,13 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 out="${TMPDIR:-/tmp}/autoshard-demo"
 mkdir -p "$out"
-OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=4 --standalone -m autoshard.profile \
-    --mesh 2x2 --name demo-measured --iters 15 --out "$out/profile.yaml"
+# the README's profile command as written, run in $out (it writes mine.yaml where it runs)
+root="$PWD"
+(cd "$out" && OMP_NUM_THREADS=1 "$root"/.venv/bin/torchrun --nproc_per_node=4 --standalone -m autoshard.profile \
+    --mesh 2x2 --name mine --iters 15 --out mine.yaml)
 .venv/bin/autoshard capture gpt2-mini
-.venv/bin/autoshard enumerate gpt2-mini --mesh 2x2 --hardware "$out/profile.yaml" --node linear
-.venv/bin/autoshard plan gpt2-mini --mesh 2x2 --hardware "$out/profile.yaml" --out "$out/plan.json"
+.venv/bin/autoshard enumerate gpt2-mini --mesh 2x2 --hardware "$out/mine.yaml" --node linear
+.venv/bin/autoshard plan gpt2-mini --mesh 2x2 --hardware "$out/mine.yaml" --out "$out/plan.json"
 .venv/bin/autoshard explain "$out/plan.json" --plain | head -14
 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=4 --standalone examples/train_gpt2.py \
     --model gpt2-mini --plan "$out/plan.json" --steps 30 --check

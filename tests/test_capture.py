@@ -513,6 +513,8 @@ def test_factory_file(tmp_path):
     """))
     model, args, kwargs = build_model(f"{path}:make")
     assert isinstance(model, nn.Linear) and args[0].shape == (3, 4) and kwargs == {}
+    model, args, _ = build_model(f"{path}:make", device="meta")     # no device=: it builds where it likes
+    assert isinstance(model, nn.Linear)
     model, args, _ = build_model(f"{path}:make", width=6)
     graph = capture(model, args)
     assert graph.tensor_meta(graph.outputs[0]).shape == (3, 2)

@@ -58,3 +58,24 @@ def test_capture_says_what_the_fingerprint_covers(capsys) -> None:
     assert cli.main(["capture", "mlp", "--batch", "4"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "fingerprint" in first and "(4," in first and "other input shapes" in first
+
+
+def test_missing_handler_error_names_the_flag(tmp_path, capsys) -> None:
+    """The library says fallback='replicate'; the command line names its own flag."""
+    factory = tmp_path / "opaque.py"
+    factory.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "import custom_ops_lib\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.randn(8, 8))\n\n"
+        "    def forward(self, x):\n"
+        "        return torch.ops.astest.opaque_scaled_mm(x, self.w, 2.0).sum()\n\n"
+        "def factory():\n"
+        "    return Net(), (torch.randn(4, 8),)\n")
+    assert cli.main(["enumerate", f"{factory}:factory", "--mesh", "2x2"]) == 2
+    err = capsys.readouterr().err
+    assert "no sharding handler for astest.opaque_scaled_mm" in err, err
+    assert "--fallback replicate" in err and "fallback='replicate'" not in err, err

@@ -364,6 +364,23 @@ def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ..
     return x.contiguous() if not x.is_contiguous() else x
 
 
+def gather_whole(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """The global tensor of this rank's block ``x`` (the inverse of :func:`shard_input`): one all-gather
+    per sharded dim over the group of its mesh axes (a dim sharded over both axes in one, on the
+    all-device group, whose rank order is the block order). Not counted in ``comm.counter``: state dicts
+    and gathered gradients are not part of a training step's collectives."""
+    for d, axes in enumerate(dims):
+        live = comm.live_axes(axes)
+        if not live:
+            continue
+        n = math.prod(comm.mesh_shape[a] for a in live)
+        src = x.movedim(d, 0).contiguous()
+        out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, src, group=comm.group(live))
+        x = out.movedim(0, d)
+    return x.contiguous()
+
+
 def iter_moves(steps: Sequence[object]) -> Iterator[Move]:
     """Plan step entries (with ``kind``, ``axis``, ``dims``) as moves."""
     for s in steps:

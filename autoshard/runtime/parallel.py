@@ -27,8 +27,9 @@ from torch.utils import _pytree as pytree
 from ..capture import CapturedGraph, TensorMeta, capture
 from ..mesh import MeshError
 from ..plans import Plan, PlanError, PlanMismatchError
+from ..progress import Progress
 from ..specs import ShardSpec
-from .collectives import CommCounter, MeshComm, shard_input
+from .collectives import CommCounter, MeshComm, gather_whole, shard_input
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
@@ -48,7 +49,7 @@ class PlanDisagreementError(PlanError):
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
                 input_mode: str = "global", checkpoint: str | None = None,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None,
-                replicas: str = "check", check_inputs: str = "first") -> "ParallelModule":
+                replicas: str = "check", check_inputs: str = "first", progress: bool = False) -> "ParallelModule":
     """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
 
     ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
@@ -73,7 +74,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     in a collective (that backward's gradient all-reduce), else at their next call. No collective is
     added per step (a key-value store write and read); with ``"always"`` every rank waits for every
     rank's word at each call and all raise at the same call. Every rank skipping backward
-    (evaluation under grad mode) is fine.
+    (evaluation under grad mode) is fine. ``progress``: rank 0 reports each stage (capture, plan
+    check, lowering, parameter shards) on stderr (:mod:`autoshard.progress`).
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -104,7 +106,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
                           checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph, replicas=replicas,
-                          check_inputs=check_inputs)
+                          check_inputs=check_inputs, progress=progress)
 
 
 @dataclass
@@ -133,7 +135,8 @@ class ParallelModule(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
                  kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
                  checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first") -> None:
+                 graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first",
+                 progress: bool = False) -> None:
         super().__init__()
         _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
@@ -148,9 +151,13 @@ class ParallelModule(nn.Module):
             if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type)
         if args is None and kwargs is None and (graph is None or plan.inputs is not None):
             args, kwargs = example_inputs(plan)
-        graph = graph or _capture_meta(model, plan, args, kwargs)
-        plan.check(graph)
-        serial = _agree_across_ranks(plan, graph, device_mesh)
+        stages = Progress(bool(progress) and dist.get_rank() == 0)
+        if graph is None:
+            with stages.stage(f"capturing {plan.model_name} on meta tensors"):
+                graph = _capture_meta(model, plan, args, kwargs)
+        with stages.stage("checking the plan against the graph on every rank"):
+            plan.check(graph)
+            serial = _agree_across_ranks(plan, graph, device_mesh)
         self.comm = MeshComm(device_mesh, CommCounter())
         # whether every rank runs backward on the same steps (keys of this model: its serial number)
         self._watch = None if check_inputs == "never" else \
@@ -161,14 +168,16 @@ class ParallelModule(nn.Module):
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self._signature = None
-        main = self._make_mode(graph, plan)
+        with stages.stage(f"lowering the plan to this rank's program ({len(graph.graph.nodes)} nodes)"):
+            main = self._make_mode(graph, plan)
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
         object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
         self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
                          _to_meta(dict(kwargs or {})))
-        self._install_state(model, graph, checkpoint, replicas)
+        with stages.stage("placing this rank's parameter shards" + (f" from {checkpoint}" if checkpoint else "")):
+            self._install_state(model, graph, checkpoint, replicas)
         self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
                                                for p, axes in self._bucketed(main)], bucket_bytes)
         self.train(model.training)
@@ -395,7 +404,10 @@ class ParallelModule(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
-        return {k: v.full_tensor() for k, v in self.sharded_state_dict().items()}
+        # gathered by the runtime's own collectives, one per sharded dim (DTensor's full_tensor gathers
+        # a dim sharded over both axes in two steps and logs a warning about it on every rank)
+        return {k: gather_whole(v.detach(), self.comm, self.specs[k].dims)
+                for k, v in super().state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
@@ -416,7 +428,7 @@ class ParallelModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Parameter FQN -> the full (gathered) gradient, or None (collective)."""
-        return {k: None if p.grad is None else self._dtensor(k, p.grad).full_tensor()
+        return {k: None if p.grad is None else gather_whole(p.grad, self.comm, self.specs[k].dims)
                 for k, p in self.named_parameters()}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -12,11 +12,35 @@ from autoshard.profile import measure_profile
 POINTS = 3       # the 3 smallest sizes of each family, a few runs each: a quick measurement
 
 
+_PROGRESS: list[str] = []     # what measure_profile(progress=True) printed on this rank's stderr
+
+
 @pytest.fixture(scope="module")
 def prof():
+    import contextlib
+    import io
+
     sizes = [4096 * 16**k for k in range(4)]   # 4 KiB .. 16 MiB, a few iterations: a quick measurement
-    return measure_profile((2, 2), name="test", sizes=sizes, iters=4, warmup=1,
-                           compute_iters=3, compute_points=POINTS)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        profile = measure_profile((2, 2), name="test", sizes=sizes, iters=4, warmup=1,
+                                  compute_iters=3, compute_points=POINTS, progress=True)
+    _PROGRESS.extend(err.getvalue().splitlines())
+    return profile
+
+
+def test_progress_is_one_start_and_one_end_line_per_stage_on_rank_0(prof):
+    lines = [line for line in _PROGRESS if line.startswith("autoshard: ")]
+    if dist.get_rank() != 0:
+        assert not lines, f"rank {dist.get_rank()} reported progress: {lines[:3]}"
+        return
+    starts = [line for line in lines if line.endswith(" ...")]
+    ends = [line for line in lines if " done in " in line]
+    assert len(starts) == len(ends) == len(lines) // 2 and len(starts) >= 10, lines
+    for stage in ("timing all_reduce on mesh axis 0", "timing reduce_scatter on all devices",
+                  "timing matmul peak", "timing float32 matmul compute", "timing the optimizer step",
+                  "timing all-reduce overlap"):
+        assert any(line.startswith(f"autoshard: {stage}") for line in starts), f"no stage {stage!r}: {lines}"
 
 
 def _gathered(value):

@@ -1,0 +1,166 @@
+"""The commands and code snippets of README.md, and how the tests cover each (shared by
+tests/test_readme_commands.py and tests/distributed/test_readme_snippets.py).
+
+What counts as a command: every line of a ```bash block (comment-only lines and trailing
+``# comments`` dropped), and every inline code span that starts with ``python ``, ``torchrun `` or
+``scripts/`` (split at ``&&``: the benchmark reproductions). A snippet is a ```python block, named by
+its first line that is not an import (trailing comment dropped). Inline spans that start with
+``autoshard `` name a command of the bash block with some of its flags: they are checked as
+references (the subcommand and every flag exist), not run.
+
+Each command or snippet is classified in exactly one of COMMANDS / SNIPPETS; the unit test fails on
+one that is not (a new README command must be classified) and on a classified one the README no
+longer has.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DEMO = ROOT / "scripts" / "demo.sh"
+
+# How a command or snippet is covered.
+RUN = "run as written by tests/test_readme_commands.py"
+RUN_DISTRIBUTED = "run as written on 4 gloo ranks by tests/distributed/test_readme_snippets.py"
+DEMO_RUNS = "run by scripts/demo.sh (the same command; checked to appear there)"
+SETUP = "set-up command: run by CI (scripts/test.sh) / is the demo (scripts/demo.sh); excluded by name"
+ARGS = "benchmark too slow for CI: its argparse is checked to accept the exact arguments"
+
+SETUP_COMMANDS = ("scripts/demo.sh", "scripts/test.sh")
+
+COMMANDS: dict[str, str] = {
+    "scripts/demo.sh": SETUP,
+    "scripts/test.sh": SETUP,
+    # the command-line block, run in order in one folder (explain reads the plan written before it)
+    "autoshard plan gpt2 --mesh 2x2 --hardware a100-nvlink --budget 3GiB --out plan.json": RUN,
+    "autoshard explain plan.json [--full] [--plain]": RUN,       # every combination of the optional flags
+    "autoshard plan llama-70b --mesh 4x8 --batch 32 --budget 80GiB --out plan70b.json": RUN,
+    "autoshard ops": RUN,
+    "autoshard capture llama-7b": RUN,
+    "autoshard enumerate gpt2 --mesh 2x4 --hardware h100-nvlink --node linear --json strategies.json": RUN,
+    # minutes of measurement on 4 ranks: the demo runs this very command (and plans with its profile)
+    "torchrun --nproc_per_node=4 --standalone -m autoshard.profile --mesh 2x2 --name mine --iters 15 "
+    "--out mine.yaml": DEMO_RUNS,
+    # benchmark reproductions (they write bench/results/: run in a copy of bench/)
+    "python bench/op_coverage.py": RUN,              # ~20 s; the README's op table is compared with its output
+    "python bench/update_readme.py": RUN,            # on a copy: the README's tables equal bench/results
+    "python bench/model_zoo.py": ARGS,               # ~4 min, 4 ranks
+    "python bench/capture_llama7b.py": ARGS,         # 3 timed captures of the 7B graph
+    "python bench/enumerate_llama7b.py": ARGS,       # 3 timed cold enumerations
+    "python bench/plan_depth_scaling.py": ARGS,      # minutes: 70B-width captures and budgeted solves
+    "python bench/solver_optimality.py": ARGS,       # ~20 min
+    "python bench/solver_budget_sweep.py": ARGS,     # minutes of budgeted solves
+    "python bench/runtime_speed.py": ARGS,           # minutes, two torchrun launches
+    "python bench/runtime_overhead.py": ARGS,        # interleaved timing rounds
+    "python bench/plan_fidelity.py": ARGS,           # ~15 min (its --quick smoke test measures a profile: minutes)
+    "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
+    "python bench/activation_memory.py": ARGS,       # GPT-2 small blocks, timed steps: minutes
+    "python bench/param_offload.py": ARGS,           # timed training steps
+}
+
+SNIPPETS: dict[str, str] = {
+    'model, args, kwargs = build_model("gpt2", device="meta", batch=8, seq=1024)': RUN,
+    'model, args, kwargs = build_model("llama-7b", device="meta", batch=8, seq=2048)': RUN,
+    "mesh = autoshard.init_mesh((2, 2))": RUN_DISTRIBUTED,
+    "plan = autoshard.plan_once(net, (example_x,), mesh=(2, 2))": RUN_DISTRIBUTED,
+}
+
+
+@dataclass(frozen=True)
+class Snippet:
+    key: str        # first line that is not an import, comment dropped
+    code: str
+    line: int       # 1-based line of the README where the block starts
+
+
+def readme_text() -> str:
+    return README.read_text()
+
+
+def _blocks(text: str, lang: str) -> list[tuple[int, str]]:
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)]
+
+
+def strip_comment(line: str) -> str:
+    """A shell line without its trailing ``# comment`` (no ``#`` inside quotes in the README)."""
+    return re.sub(r"(^|\s)#.*$", "", line).strip()
+
+
+def bash_commands(text: str | None = None) -> list[str]:
+    """Every command line of the README's ```bash blocks, in order."""
+    out = []
+    for _, block in _blocks(text or readme_text(), "bash"):
+        out += [c for c in (strip_comment(line) for line in block.splitlines()) if c]
+    return out
+
+
+def inline_commands(text: str | None = None) -> list[str]:
+    """Inline code spans that are commands (``python ...``, ``torchrun ...``, ``scripts/...``)."""
+    text = _outside_blocks(text or readme_text())
+    out = []
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for part in span.split("&&"):
+            part = part.strip()
+            if re.match(r"(python|torchrun) |scripts/", part):
+                out.append(part)
+    return out
+
+
+def inline_references(text: str | None = None) -> list[str]:
+    """Inline spans naming an ``autoshard`` command (``autoshard plan --outputs local``)."""
+    return [s.strip() for s in re.findall(r"`(autoshard [a-z][^`\n]*)`", _outside_blocks(text or readme_text()))]
+
+
+def _outside_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def all_commands(text: str | None = None) -> list[str]:
+    """Every command of the README, each once, in order."""
+    return list(dict.fromkeys(bash_commands(text) + inline_commands(text)))
+
+
+def snippets(text: str | None = None) -> list[Snippet]:
+    out = []
+    for line, code in _blocks(text or readme_text(), "python"):
+        first = next(strip_comment(s) for s in code.splitlines()
+                     if strip_comment(s) and not re.match(r"(import|from) ", s.strip()))
+        out.append(Snippet(first, code, line))
+    return out
+
+
+def snippet(key: str) -> Snippet:
+    found = [s for s in snippets() if s.key == key]
+    assert len(found) == 1, f"README has {len(found)} python snippets starting {key!r}"
+    return found[0]
+
+
+def expansions(command: str) -> list[str]:
+    """A command with optional ``[--flag]`` placeholders as every combination of them, in order
+    (none, each one, ..., all), the way the test runs it."""
+    optional = re.findall(r"\s*\[([^\]]+)\]", command)
+    base = re.sub(r"\s*\[[^\]]+\]", "", command)
+    out = []
+    for n in range(len(optional) + 1):
+        for chosen in itertools.combinations(optional, n):
+            out.append(" ".join([base, *chosen]))
+    return out
+
+
+def demo_lines() -> list[str]:
+    """The logical lines of scripts/demo.sh (backslash continuations joined, spaces collapsed)."""
+    text = DEMO.read_text().replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def demo_runs(command: str) -> bool:
+    """Whether scripts/demo.sh runs ``command`` as written (its program from the repo's .venv/bin,
+    environment assignments before it allowed)."""
+    program, _, rest = command.partition(" ")
+    pattern = rf"(^|[\s(])([A-Z_]+=\S+\s+)*(\S*/)?\.venv/bin/{re.escape(program)} {re.escape(rest)}(\s*\)|\s*$|\s*[|;&])"
+    return any(re.search(pattern, line) for line in demo_lines())
