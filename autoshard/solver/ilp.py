@@ -88,7 +88,9 @@ import pulp
 from ..comm import collective_cost
 from ..grad_reduction import Axes, GradReduction, grad_nodes, plan_gradient_reduction
 from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
-from ..specs import ShardSpec
+from ..decisions import DECISIONS
+from ..errors import InfeasibleBudgetError
+from ..specs import ShardSpec, replicated_axes
 from ..strategy import BWD, Strategy
 from ..units import format_bytes
 from .costgraph import SYNC_AXES, CGEdge, CGNode, CostGraph
@@ -100,7 +102,6 @@ from .symmetry import order_identical_blocks
 if TYPE_CHECKING:
     from torch import fx
 
-DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
 READOUT_ORDER = ("recompute", "partitioned", "offload", "selective", "keep")
 """Where decisions of a class of identical blocks go along the block sequence: the largest
 rebuilds first. A block's saved activations come back in its backward while only the blocks before
@@ -116,10 +117,6 @@ graph's outputs (penalised); a set of CGNode names: only out of those nodes and 
 # ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
 # prefer the plain checkpoint then.
 _TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0, "selective": 1.0}
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan fits the per-device memory budget."""
 
 
 @dataclass(frozen=True)
@@ -500,11 +497,6 @@ def _is_input(cg: CostGraph, node: CGNode) -> bool:
 def _spec_bytes(e: CGEdge, mesh_shape) -> np.ndarray:
     item = e.tensor.dtype.itemsize
     return np.array([s.local_numel(e.tensor.shape, mesh_shape) * item for s in e.src_specs], dtype=float)
-
-
-def replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
-    """Mesh axes (of size > 1) over which a tensor in ``spec`` has full copies."""
-    return tuple(a for a in range(len(mesh_shape)) if a not in spec.used_axes() and mesh_shape[a] > 1)
 
 
 def _memory_and_recompute(m: _Model, objective_terms: list,
