@@ -72,7 +72,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
-    and :class:`~autoshard.solver.ilp.InfeasibleBudgetError` (naming the smallest feasible budget).
+    and :class:`~autoshard.errors.InfeasibleBudgetError` (naming the smallest feasible budget).
     """
     mesh_spec = _mesh(mesh)
     hw = load_hardware(hardware)

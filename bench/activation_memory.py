@@ -10,7 +10,7 @@ f in 100/75/50/25% the budget is ``params + grads + optimizer + f*A`` (the ILP b
 working_set), so the activation part of the budget is f*A). A fraction the solver cannot meet is replaced by the smallest feasible budget
 (``minimum_budget``), flagged. The smallest feasible budget is also run on its own.
 Hand plans (the unconstrained plan's strategies, segment decisions overridden, priced with
-:func:`autoshard.solver.ilp.predict`): recompute every other layer (h.0, h.2, ..., h.10) and
+:func:`autoshard.solver.evaluate.predict`): recompute every other layer (h.0, h.2, ..., h.10) and
 recompute every layer.
 
 What is measured per plan, on one forward + backward (see ``Probe``):

@@ -22,7 +22,8 @@ from autoshard.plans.build import plan_from_solution
 from autoshard.reshard import reshard_plan
 from autoshard.solver import CostGraph, build_cost_graph
 from autoshard.param_gather import gathered_bytes
-from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, _gather_seconds, param_gathers, predict
+from autoshard.solver.evaluate import _gather_seconds
+from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, param_gathers, predict
 from autoshard.specs import ShardSpec
 from autoshard.units import format_bytes
 

@@ -16,7 +16,8 @@ from ..decisions import RECOMPUTING
 from ..opinfo import OpInfo
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
-from ..solver.ilp import gradient_reduction, memory_segments, param_gathers
+from ..solver.evaluate import gradient_reduction, param_gathers
+from ..solver.segments import memory_segments
 from ..specs import ShardSpec, replicated_axes
 from ..strategy import BWD, FWD, Strategy, local_bytes
 from ..version import __version__
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from ..capture import CapturedGraph
     from ..solver.costgraph import CostGraph
-    from ..solver.ilp import Solution, SolverOptions
+    from ..solver.results import Solution, SolverOptions
 
 __all__ = ["input_signature", "plan_from_solution"]
 
