@@ -18,7 +18,10 @@ from .capture import CapturedGraph, TensorMeta, capture
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
+from .errors import ArgumentError, BudgetError
+from .meta_capture import capture_meta
 from .plans import Plan
+from .plans.build import plan_from_solution
 from .progress import Progress
 from .solver.costgraph import build_cost_graph
 from .solver.ilp import SolverOptions, solve
@@ -28,15 +31,6 @@ __all__ = ["ArgumentError", "BudgetError", "plan"]
 
 _SOLVERS = ("highs", "cbc")
 _FALLBACKS = ("error", "replicate")
-
-
-class BudgetError(ValueError):
-    """A memory budget that cannot be read, is not a positive size, or exceeds the device's memory."""
-
-
-class ArgumentError(ValueError):
-    """An argument (of :func:`plan`, :func:`autoshard.parallelize` or the command line) of the wrong type,
-    out of its range, or not one of the known names."""
 
 
 def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Mapping[str, Any] | None = None,
@@ -78,7 +72,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
-    and :class:`~autoshard.solver.ilp.InfeasibleBudgetError` (naming the smallest feasible budget).
+    and :class:`~autoshard.errors.InfeasibleBudgetError` (naming the smallest feasible budget).
     """
     mesh_spec = _mesh(mesh)
     hw = load_hardware(hardware)
@@ -130,7 +124,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
             solution = solve_baseline(cg, baseline, options).solution
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
     timings.pop("solve_wall_s")
-    result = Plan.from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
+    result = plan_from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
                                 timings=timings)
     if isinstance(model_or_graph, nn.Module):
         result.training = model_or_graph.training
@@ -266,8 +260,6 @@ def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, 
         raise TypeError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}")
     # Always on meta, whatever device the model and inputs are on: nothing is allocated, and the
     # graph is the one the runtime captures (export records slightly different graphs per device).
-    from .runtime.parallel import capture_meta
-
     return capture_meta(model_or_graph, args, kwargs, name=name)
 
 

@@ -42,17 +42,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .hardware import HardwareProfile, LinkModel
+from .hardware import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER, HardwareProfile, LinkModel
 
 GRAD_BUCKET_BYTES = 25 * 2**20
 """Bytes per gradient all-reduce bucket: the runtime fills buckets up to this size
 (:mod:`autoshard.runtime.grad_sync`) and the cost model prices the same buckets."""
 
-ALL_GATHER = "all_gather"
-ALL_REDUCE = "all_reduce"
-REDUCE_SCATTER = "reduce_scatter"
-ALL_TO_ALL = "all_to_all"
-KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL)
 
 Axes = tuple[int, ...]
 

@@ -10,7 +10,7 @@ import torch.fx as fx
 from .capture import CapturedGraph, capture
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
-from .opinfo import OpInfo, op_name
+from .opinfo import OpInfo, UnsupportedOpError, op_name
 from .specs import ShardSpec, all_specs
 from .strategy import MemoryCost, Strategy, expand
 
@@ -18,10 +18,6 @@ OUTPUT_MODES = ("global", "local")
 """How a parallelized model returns its graph outputs (``outputs=`` of :func:`autoshard.plan`):
 ``"global"``, every tensor output whole on every rank; ``"local"``, a tensor output of rank >= 1
 as this rank's shard in the layout its producer computes it in (0-dim outputs stay global)."""
-
-
-class UnsupportedOpError(NotImplementedError):
-    """A graph node whose op has no handler."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Which gradient all-reduces run after backward in buckets, and which run inline.
 
 One analysis shared by the runtime (:mod:`autoshard.runtime.lower` generates the program from it)
-and the step-time model (:func:`autoshard.solver.ilp.gradient_sync` prices the same), so that what
+and the step-time model (:func:`autoshard.solver.evaluate.gradient_sync` prices the same), so that what
 the model assumes is what the runtime does.
 
 A consumer whose computation is split over mesh axes ``A`` while it reads an operand replicated

@@ -284,14 +284,20 @@ def _world(d: Mapping) -> LinkModel | None:
                      _number(d, "world.beta", value["beta"], "seconds per byte"))
 
 
+ALL_GATHER = "all_gather"
+ALL_REDUCE = "all_reduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
+KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL)
+"""The collective kinds: a profile may give measured links per kind, and :mod:`autoshard.comm` prices
+each kind (re-exported there)."""
+
 KIND_GROUPS = ("axis0", "axis1", "world")
 """The groups a collective kind's measured link may be given for (``kinds`` in a profile)."""
 
 
 def _kinds(d: Mapping) -> dict[str, dict[str, LinkModel]]:
     """``kinds: {all_gather: {world: {alpha, beta}, axis0: ...}, reduce_scatter: ...}``, or {}."""
-    from .comm import KINDS
-
     value = d.get("kinds") or {}
     if not isinstance(value, Mapping):
         raise HardwareError(f"hardware profile {d.get('name', '?')!r}: kinds must map a collective kind to "

@@ -11,40 +11,23 @@ each, in one layout), and nodes only the other graph has replicated. Nothing is 
 is fixed by the main plan, priced like a solved one, with every activation kept. The result is a
 :class:`~autoshard.plans.Plan` of its own (``training`` says its mode), stored in the main plan's
 ``other_mode`` by :func:`autoshard.plan` and derived again by :func:`autoshard.parallelize` for plans
-that lack it (older files, plans made from a captured graph).
+that lack it (older files, plans made from a captured graph). Capturing in a mode is
+:func:`autoshard.meta_capture.capture_in_mode`; the check that two plans lay parameters out alike,
+:func:`autoshard.plans.validation.check_layouts_agree` (both re-exported here).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from .meta_capture import capture_in_mode
+from .plans.errors import ModeError
+from .plans.validation import check_layouts_agree
 
 if TYPE_CHECKING:
     from .capture import CapturedGraph
     from .plans import Plan
 
-__all__ = ["ModeError", "capture_in_mode", "plan_other_mode"]
-
-
-class ModeError(ValueError):
-    """The other mode (eval for a plan made in training, or the reverse) cannot run with the main
-    plan's parameter layouts."""
-
-
-def capture_in_mode(model: nn.Module, args: Any, kwargs: Mapping[str, Any] | None, training: bool, *,
-                    name: str | None = None) -> "CapturedGraph":
-    """``model`` captured on meta tensors with every module in ``training`` mode (the model itself
-    is not touched: a meta copy is switched)."""
-    from .runtime.parallel import _meta_copy, _to_meta
-    from .capture import capture
-
-    import torch
-
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    with torch.device("meta"):
-        copy = _meta_copy(model)
-    copy.train(training)
-    return capture(copy, _to_meta(args), _to_meta(dict(kwargs or {})), name=name)
+__all__ = ["ModeError", "capture_in_mode", "check_layouts_agree", "plan_other_mode"]
 
 
 def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
@@ -52,7 +35,7 @@ def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
     main plan has in the main plan's layout; :class:`ModeError` when a parameter, buffer or input
     cannot take that layout there."""
     from .enumerate import enumerate_strategies
-    from .plans import Plan
+    from .plans.build import plan_from_solution
     from .solver.costgraph import build_cost_graph
     from .solver.fixed import fixed_solution
     from .solver.ilp import SolverOptions
@@ -76,7 +59,7 @@ def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
     options = SolverOptions(memory_budget=plan.memory_budget,
                             optimizer_bytes_per_param=float(plan.solver_options.get("optimizer_bytes_per_param", 8.0)))
     solution = fixed_solution(cg, strategy_of, options)
-    other = Plan.from_solution(cg, solution, model_name=plan.model_name, options=options, budget=plan.memory_budget)
+    other = plan_from_solution(cg, solution, model_name=plan.model_name, options=options, budget=plan.memory_budget)
     other.training = not plan.training
     check_layouts_agree(plan, other)
     return other
@@ -90,13 +73,3 @@ def _matching(ns: Any, inputs: list[str], outputs: list[str | None]) -> int | No
         if outs == list(outputs) and len(ins) == len(inputs) and all(a is None or a == b for a, b in zip(ins, inputs)):
             return i
     return None
-
-
-def check_layouts_agree(plan: "Plan", other: "Plan") -> None:
-    """:class:`ModeError` unless every parameter, buffer and input both plans place has one layout."""
-    main = {n.fqn: n.outputs[0] for n in plan.nodes.values() if n.kind == "placeholder" and n.fqn}
-    for n in other.nodes.values():
-        if n.kind == "placeholder" and n.fqn in main and n.outputs[0] != main[n.fqn]:
-            raise ModeError(f"'{n.fqn}' is laid out {main[n.fqn]} in the {'training' if plan.training else 'eval'} "
-                            f"plan but {n.outputs[0]} in the other mode's; both modes must hold it alike. "
-                            f"Re-create the plan")

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from .capture import CapturedGraph, TensorMeta
 
 
+class UnsupportedOpError(NotImplementedError):
+    """A graph node whose op has no handler (raised by :func:`autoshard.enumerate_strategies`, and by a
+    handler for arguments it cannot shard)."""
+
+
 @dataclass(frozen=True)
 class SavedTensor:
     """A tensor autograd keeps for backward: one of the op's operands/outputs, or a new buffer."""

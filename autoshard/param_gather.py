@@ -13,7 +13,7 @@ beyond ``G`` (a parameter stored ``S0`` read by a computation split over both ax
 after backward with the bucketed gradients.
 
 One analysis, used by the runtime (:mod:`autoshard.runtime.lower` generates the gathers from it),
-the step model (:func:`autoshard.solver.ilp.predict`) and the plan's communication
+the step model (:func:`autoshard.solver.evaluate.predict`) and the plan's communication
 (:attr:`autoshard.Plan.comm`), so that they agree.
 """
 from __future__ import annotations

@@ -222,3 +222,8 @@ def all_specs(ndim: int, mesh_ndim: int, *, with_partial: bool = False) -> list[
 
     rec(0, [])
     return out
+
+
+def replicated_axes(spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
+    """Mesh axes (of size > 1) over which a tensor in ``spec`` has full copies."""
+    return tuple(a for a in range(len(mesh_shape)) if a not in spec.used_axes() and mesh_shape[a] > 1)

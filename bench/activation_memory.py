@@ -10,7 +10,7 @@ f in 100/75/50/25% the budget is ``params + grads + optimizer + f*A`` (the ILP b
 working_set), so the activation part of the budget is f*A). A fraction the solver cannot meet is replaced by the smallest feasible budget
 (``minimum_budget``), flagged. The smallest feasible budget is also run on its own.
 Hand plans (the unconstrained plan's strategies, segment decisions overridden, priced with
-:func:`autoshard.solver.ilp.predict`): recompute every other layer (h.0, h.2, ..., h.10) and
+:func:`autoshard.solver.evaluate.predict`): recompute every other layer (h.0, h.2, ..., h.10) and
 recompute every layer.
 
 What is measured per plan, on one forward + backward (see ``Probe``):
@@ -66,6 +66,7 @@ from autoshard.enumerate import enumerate_strategies  # noqa: E402
 from autoshard.hardware import load_hardware  # noqa: E402
 from autoshard.models import build_model  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
+from autoshard.plans.build import plan_from_solution  # noqa: E402
 from autoshard.runtime.activation_codegen import (  # noqa: E402
     delegate_pack, delegate_unpack, is_parameter_like, outer_saved_tensors_hooks)
 from autoshard.runtime.memory_meter import SavedTensorMeter  # noqa: E402
@@ -210,7 +211,7 @@ def hand_plan(cg, free_solution, decisions: dict[str, str], options: SolverOptio
     t, mem = predict(cg, free_solution.choice, decisions, options)
     sol = dataclasses.replace(free_solution, decisions=decisions, time=t, memory=mem,
                               objective=t.total, status="hand")
-    return Plan.from_solution(cg, sol, model_name=graph_name, options=options, budget=None)
+    return plan_from_solution(cg, sol, model_name=graph_name, options=options, budget=None)
 
 
 def as_run(p: Plan, cg, choice, options: SolverOptions) -> tuple[Plan, dict]:

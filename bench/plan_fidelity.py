@@ -251,6 +251,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     """Every autoshard plan of one model (rank 0)."""
     import autoshard
     from autoshard.plans import Plan
+    from autoshard.plans.build import plan_from_solution
     from autoshard.solver import SolverOptions, solve
     from autoshard.solver.fixed import fixed_solution
 
@@ -296,7 +297,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     def all_recompute():
         opts = SolverOptions(memory_budget=options.memory_budget, fixed_decision="recompute")
         sol = solve(repricer.cg, opts)
-        return Plan.from_solution(repricer.cg, sol, model_name=key, options=opts, budget=opts.memory_budget), None, {}
+        return plan_from_solution(repricer.cg, sol, model_name=key, options=opts, budget=opts.memory_budget), None, {}
     plans.append(plan_entry("every segment recomputed (re-solved)", "perturbed", all_recompute))
 
     def random_strategies(fraction: float, seed: int):
@@ -317,7 +318,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
             choice[name] = rng.choice([c for c in range(len(cg.nodes[name])) if c != choice[name]])
         strategy_of = cg.graph_choice(choice)
         sol = fixed_solution(cg, strategy_of, options, base.segments)
-        plan = Plan.from_solution(cg, sol, model_name=key, options=options, budget=options.memory_budget)
+        plan = plan_from_solution(cg, sol, model_name=key, options=options, budget=options.memory_budget)
         rep = {n: cg.nodes[n].members[0] for n in moved}      # each moved node's representative graph node
         return plan, None, {"moved_nodes": {n: cg.table[g].strategies[strategy_of[g]].name for n, g in rep.items()}}
     for fraction, seed in PERTURBATIONS:

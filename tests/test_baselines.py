@@ -224,7 +224,7 @@ def _runtime_change(cg, sol) -> float:
     reduction (see ilp.gradient_sync: + the parameter-gradient all-reduces that run inline, - the
     activation-gradient all-reduces left to the buckets) and its per-block parameter gathers
     (+ one all-gather and reduce-scatter per group, - the per-edge reshardings they replace)."""
-    from autoshard.solver.ilp import _gather_seconds, gradient_sync, param_gathers
+    from autoshard.solver.evaluate import _gather_seconds, gradient_sync, param_gathers
     sync = gradient_sync(cg, sol.choice)
     per_edge, grouped = _gather_seconds(cg, sol.choice, param_gathers(cg, sol.choice))
     return sync.inline - sync.deferred + grouped - per_edge

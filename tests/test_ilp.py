@@ -128,7 +128,8 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
     is a selective-recompute run; on h100-nvlink, at this size, none is worth it (and offload is)."""
     import random
     import pulp
-    from autoshard.solver.ilp import M, T, _allowed_decisions, _build, _value, memory_segments
+    from autoshard.solver.ilp import M, T, _build, _value, memory_segments
+    from autoshard.solver.memory_model import _allowed_decisions
     cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32)
     rng = random.Random(0)
     allowed = _allowed_decisions(SolverOptions(), cg.hardware.device_memory_separate)
@@ -217,7 +218,7 @@ def test_cpu_ranks_do_not_offload(gpt2_cpu):
 
 def test_cpu_ranks_are_not_offered_offload(gpt2_cpu):
     """Under a budget that forces dropping activations, CPU ranks recompute; they cannot offload."""
-    from autoshard.solver.ilp import _allowed_decisions
+    from autoshard.solver.memory_model import _allowed_decisions
     assert "offload" not in _allowed_decisions(SolverOptions(), device_memory_separate=False)
     assert "offload" in _allowed_decisions(SolverOptions(), device_memory_separate=True)
     assert _allowed_decisions(SolverOptions(decisions=("offload",)), device_memory_separate=False) == ["offload"]

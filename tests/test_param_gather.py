@@ -92,7 +92,7 @@ def test_the_ilp_prices_gathers_once_per_block_as_the_runtime_runs_them(hardware
     """The ILP's price of the ZeRO-3 plan's parameter edges (bandwidth per edge, one gather latency
     per block) is what the runtime's per-block all-gathers and reduce-scatters cost, within 1%;
     priced per resharded edge, as before, it was 2.9x (cpu-gloo) to 5x (h100-nvlink) that."""
-    from autoshard.solver.ilp import _gather_seconds, param_gathers
+    from autoshard.solver.evaluate import _gather_seconds, param_gathers
     from autoshard.solver.param_edges import chosen_param_edges
 
     cg, sol = _zero3(hardware)

@@ -18,10 +18,12 @@ from autoshard.hardware import HardwareError, available_profiles, load_hardware
 from autoshard.mesh import MeshError
 from autoshard.models import build_model
 from autoshard.plans import PLAN_FORMAT_VERSION, Plan, PlanError, PlanMismatchError
+from autoshard.plans.build import plan_from_solution
 from autoshard.reshard import reshard_plan
 from autoshard.solver import CostGraph, build_cost_graph
 from autoshard.param_gather import gathered_bytes
-from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, _gather_seconds, param_gathers, predict
+from autoshard.solver.evaluate import _gather_seconds
+from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, param_gathers, predict
 from autoshard.specs import ShardSpec
 from autoshard.units import format_bytes
 
@@ -62,7 +64,7 @@ def random_plan(cg: CostGraph, seed: int, decision: str = "keep") -> tuple[Plan,
     options = SolverOptions()
     time_pred, mem = predict(cg, choice, decisions, options)
     solution = Solution(choice, decisions, time_pred, mem, "Optimal", time_pred.total, 0.0, 0.0, 0, 0, "highs")
-    return Plan.from_solution(cg, solution, model_name="random", options=options, budget=None), choice
+    return plan_from_solution(cg, solution, model_name="random", options=options, budget=None), choice
 
 
 def expected_comm(cg: CostGraph, choice: dict[str, int]) -> Counter:

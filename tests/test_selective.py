@@ -6,6 +6,7 @@ import pytest
 from autoshard import capture, enumerate_strategies
 from autoshard.models import build_model
 from autoshard.plans import Plan, PlanError
+from autoshard.plans.build import plan_from_solution
 from autoshard.solver import build_cost_graph
 from autoshard.solver.ilp import SolverOptions, memory_segments, solve
 from autoshard.solver.selective import memory_bound_runs, recompute_runs
@@ -54,7 +55,7 @@ def test_plan_carries_runs_and_maps_nodes_to_their_run(tmp_path):
     sol = solve(cg, SolverOptions(fixed_decision="selective"))
     assert set(sol.decisions.values()) == {"selective"}
     assert sol.time.recompute > 0 and sol.memory.working_set > 0
-    plan = Plan.from_solution(cg, sol, model_name="gpt2-tiny", options=SolverOptions(), budget=None)
+    plan = plan_from_solution(cg, sol, model_name="gpt2-tiny", options=SolverOptions(), budget=None)
     runs = {seg: [r.nodes for r in rs] for seg, rs in recompute_runs(cg).items()}
     assert plan.recompute_runs == runs
     regions = plan.memory_regions()

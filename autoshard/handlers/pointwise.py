@@ -22,8 +22,7 @@ from typing import Sequence
 
 import torch
 
-from ..enumerate import UnsupportedOpError
-from ..opinfo import OpInfo
+from ..opinfo import OpInfo, UnsupportedOpError
 from ..comm_api import DeviceComm
 from ..strategy import AxisOption, Strategy
 from .registry import LocalKernel, default_kernel, register

@@ -45,6 +45,8 @@ from torch import fx, nn
 from torch.fx.graph import CodeGen
 from torch.fx.node import Node
 
+from .param_flag import PARAMETER_FLAG, is_parameter_like
+
 __all__ = [
     "CHECKPOINT_META",
     "HOST_OFFLOAD_COUNTER",
@@ -113,18 +115,6 @@ def _offload_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _OFFLOAD_STREAMS:
         _OFFLOAD_STREAMS[device] = torch.cuda.Stream(device)
     return _OFFLOAD_STREAMS[device]
-
-
-PARAMETER_FLAG = "_autoshard_parameter"
-"""Attribute set on tensors that stand for parameters without being ``nn.Parameter`` (the local
-shards the parallel runtime feeds its program): offload leaves them, like parameters, in place."""
-
-
-def is_parameter_like(t: torch.Tensor) -> bool:
-    """True for an ``nn.Parameter``, a tensor flagged with :data:`PARAMETER_FLAG`, or a view of
-    either (autograd saves ``weight.t()`` for linear)."""
-    base = t._base if t._base is not None else t
-    return isinstance(base, nn.Parameter) or getattr(base, PARAMETER_FLAG, False) or getattr(t, PARAMETER_FLAG, False)
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_api import MeshCoordinates
-from .activation_codegen import PARAMETER_FLAG
+from .param_flag import PARAMETER_FLAG
 from .step_watch import StepWatch
 
 FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"

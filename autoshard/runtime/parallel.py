@@ -10,7 +10,6 @@ collectives in between. ``pmodel.code`` shows that program.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import inspect
 import json
@@ -24,9 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..capture import CapturedGraph, TensorMeta, capture
+from ..capture import CapturedGraph, TensorMeta
+from ..errors import ArgumentError
 from ..mesh import MeshError
-from ..plans import Plan, PlanError, PlanMismatchError
+from ..meta_capture import capture_in_mode, capture_meta, meta_copy, to_meta
+from ..plans import ModeError, Plan, PlanError, PlanMismatchError
+from ..plans.validation import check_layouts_agree
 from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
@@ -173,9 +175,9 @@ class ParallelModule(nn.Module):
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
-        object.__setattr__(self, "_meta_model", _meta_copy(model) if args is not None or kwargs is not None else None)
-        self._example = (_to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
-                         _to_meta(dict(kwargs or {})))
+        object.__setattr__(self, "_meta_model", meta_copy(model) if args is not None or kwargs is not None else None)
+        self._example = (to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
+                         to_meta(dict(kwargs or {})))
         with stages.stage("placing this rank's parameter shards" + (f" from {checkpoint}" if checkpoint else "")):
             self._install_state(model, graph, checkpoint, replicas)
         self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
@@ -215,7 +217,7 @@ class ParallelModule(nn.Module):
         mode = self._modes.get(training)
         if mode is not None:
             return mode
-        from ..modes import ModeError, capture_in_mode, check_layouts_agree, plan_other_mode
+        from ..modes import plan_other_mode      # plans the other mode: loads the solver, only when needed
 
         label = "training" if training else "eval"
         main = self._modes[self.plan.training]
@@ -488,23 +490,6 @@ def _placements(spec: ShardSpec | None, original: torch.Tensor) -> tuple:
     return (spec or ShardSpec.replicate(original.ndim)).to_placements(2)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device, allocating nothing (parameters and buffers are
-    replaced by meta tensors in the deep-copy memo)."""
-    memo: dict[int, Any] = {}
-    for t in [t for _, t in model.named_parameters(remove_duplicate=False)] + [t for _, t in model.named_buffers(remove_duplicate=False)]:
-        if id(t) in memo:
-            continue
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-def _to_meta(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
-                           if isinstance(x, torch.Tensor) else x, tree)
-
-
 def example_inputs(plan: Plan) -> tuple[tuple, dict]:
     """Meta tensors shaped like the inputs the plan was captured with."""
     sig = plan.inputs
@@ -517,31 +502,17 @@ def example_inputs(plan: Plan) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def capture_meta(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
-                 name: str | None = None) -> CapturedGraph:
-    """Capture ``model`` on the meta device whatever device its weights and the inputs are on (plans are
-    made and checked against meta captures; nothing is allocated)."""
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    with torch.device("meta"):
-        meta_model = _meta_copy(model)
-    return capture(meta_model, _to_meta(args), _to_meta(dict(kwargs or {})), name=name)
-
-
 def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, Any] | None) -> CapturedGraph:
     """The graph of ``model`` in the mode the plan was made in (the model's own per-module modes when
     its root is in that mode)."""
     if model.training == plan.training:
         return capture_meta(model, args, kwargs, name=plan.model_name)
-    from ..modes import capture_in_mode
-
     return capture_in_mode(model, args, kwargs, plan.training, name=plan.model_name)
 
 
 def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, bucket_bytes: Any, replicas: Any,
                      check_inputs: Any) -> None:
     """ArgumentError for an argument of :func:`parallelize` of the wrong type or not a known value."""
-    from ..api import ArgumentError
-
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"parallelize needs the nn.Module the plan was made for, got {type(model).__name__}")
     if not isinstance(plan, Plan):

@@ -461,7 +461,7 @@ def _keep(options: SolverOptions) -> SolverOptions:
 def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),
                    **kwargs) -> BaselineResult:
     """The best plan of baseline family ``name`` under ``options`` (memory decisions fixed to
-    ``keep``). Raises :class:`~autoshard.solver.ilp.InfeasibleBudgetError` when no plan of the
+    ``keep``). Raises :class:`~autoshard.errors.InfeasibleBudgetError` when no plan of the
     family fits the budget (use :func:`baseline_minimum_budget` for the smallest that does)."""
     r = restriction(cg, name, **kwargs)
     return BaselineResult(solve(cg, _keep(options), allowed=r.allowed, reshard=r.reshard), r.notes, r.allowed)

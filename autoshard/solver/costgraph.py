@@ -295,7 +295,7 @@ class CostBreakdown:
     @property
     def total(self) -> float:
         """Compute + inline collectives + resharding + optimizer: the step without its bucketed
-        gradient sync, which :func:`~autoshard.solver.ilp.predict` schedules (see :mod:`.steptime`)."""
+        gradient sync, which :func:`~autoshard.solver.evaluate.predict` schedules (see :mod:`.steptime`)."""
         return self.compute + self.comm + self.reshard + self.optimizer
 
     def __str__(self) -> str:

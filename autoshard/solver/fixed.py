@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from .costgraph import CostGraph
-from .ilp import Solution, SolverOptions, predict
+from .evaluate import predict
+from .results import Solution, SolverOptions
 
 
 def fixed_solution(cg: CostGraph, strategy_of: Mapping[str, int], options: SolverOptions = SolverOptions(),

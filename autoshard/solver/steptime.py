@@ -17,7 +17,7 @@ A bucket that runs while backward still computes is hidden up to the profile's m
 sharing cores much less): the overlapped seconds cost ``(1 - overlap)`` of themselves on the
 compute stream. What is left of the communication stream after backward ends is exposed in
 full. :func:`exposed_grad_sync` computes that exactly for one assignment (what
-:func:`~autoshard.solver.ilp.predict` reports); :class:`SyncPricing` gives the ILP its linear
+:func:`~autoshard.solver.evaluate.predict` reports); :class:`SyncPricing` gives the ILP its linear
 approximation: per mesh-axis set, bytes over the bucket bandwidth plus one latency per bucket
 (``bytes / GRAD_BUCKET_BYTES`` of them, and at least one when any gradient syncs there), less what
 ``overlap`` of the backward can hide, and never less than one bucket latency.

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 import autoshard
 from autoshard.enumerate import enumerate_strategies
 from autoshard.plans import Plan
+from autoshard.plans.build import plan_from_solution
 from autoshard.runtime import capture_meta
 from autoshard.solver.costgraph import build_cost_graph
 from autoshard.solver.fixed import fixed_solution
@@ -113,7 +114,7 @@ def forced_plans(graph, mesh_shape: tuple[int, int], hardware: str = "cpu-gloo"
             continue
         for k, s in enumerate(ns.strategies):
             solution = fixed_solution(cg, {ns.node: k}, options)
-            yield ns.node, s.name, Plan.from_solution(cg, solution, model_name=graph.name, options=options, budget=None)
+            yield ns.node, s.name, plan_from_solution(cg, solution, model_name=graph.name, options=options, budget=None)
 
 
 def case_seed(name: str) -> int:

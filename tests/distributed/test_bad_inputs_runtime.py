@@ -177,6 +177,7 @@ def _replicated_plan(model: nn.Module) -> autoshard.Plan:
     """Every node replicated: no collective at all, so a rank that skips backward would drift silently."""
     from autoshard.enumerate import enumerate_strategies
     from autoshard.runtime import capture_meta
+    from autoshard.plans.build import plan_from_solution
     from autoshard.solver.costgraph import build_cost_graph
     from autoshard.solver.fixed import fixed_solution
     from autoshard.solver.ilp import SolverOptions
@@ -184,7 +185,7 @@ def _replicated_plan(model: nn.Module) -> autoshard.Plan:
     graph = capture_meta(model, (_batch(0),), name="mlp")
     cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=MESH, hardware="cpu-gloo"), merge_followers=False,
                           alias_blocks=False)
-    return autoshard.Plan.from_solution(cg, fixed_solution(cg, {}), model_name="mlp", options=SolverOptions(),
+    return plan_from_solution(cg, fixed_solution(cg, {}), model_name="mlp", options=SolverOptions(),
                                         budget=None)
 
 

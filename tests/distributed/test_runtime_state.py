@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 import autoshard
 from autoshard.models import build_model
 from autoshard.plans import Plan
+from autoshard.plans.build import plan_from_solution
 from autoshard.runtime import capture_meta
 from autoshard.verify import shard_of
 from runtime_harness import ATOL, RTOL, device_mesh, on_all_ranks
@@ -303,7 +304,7 @@ def _data_parallel_plan(graph, mesh_shape: tuple[int, int]) -> Plan:
     choice = {ns.node: next(k for k, s in enumerate(ns.strategies) if s.name.startswith("S01R"))
               for ns in table if ns.op != "output" and ns.node not in graph.param_fqn}
     options = SolverOptions()
-    return Plan.from_solution(cg, fixed_solution(cg, choice, options), model_name=graph.name, options=options,
+    return plan_from_solution(cg, fixed_solution(cg, choice, options), model_name=graph.name, options=options,
                               budget=None)
 
 

@@ -9,25 +9,26 @@ and the resharded tensors' shapes and dtypes those of the graph.
 
 Both raise :class:`~autoshard.plans.PlanError` naming the node, the operand and what disagrees; a plan
 that fails them was edited or corrupted, and the fix is always to re-create it.
+:func:`check_layouts_agree` checks that a plan and its other-mode plan (see :mod:`autoshard.modes`)
+lay out every parameter, buffer and input alike (:class:`~autoshard.plans.ModeError` otherwise).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .reshard import MOVE_KINDS, ReshardError, replay_moves
-from .specs import ShardSpec, SpecError
+from ..reshard import MOVE_KINDS, ReshardError, replay_moves
+from ..specs import ShardSpec, SpecError
+from .errors import ModeError, PlanError
 
 if TYPE_CHECKING:
-    from .capture import CapturedGraph
-    from .plans import Plan, ReshardEntry
+    from ..capture import CapturedGraph
+    from .schema import Plan, ReshardEntry
 
 NODE_KINDS = ("placeholder", "call_function", "output", "get_attr")
 _REPLAN = "Re-create the plan (autoshard.plan(...).save(path) or `autoshard plan ... --out path`)"
 
 
 def _error(source: str, message: str) -> Exception:
-    from .plans import PlanError
-
     return PlanError(f"{source}: {message}. {_REPLAN}.")
 
 
@@ -178,3 +179,13 @@ def check_against_graph(plan: "Plan", graph: "CapturedGraph") -> None:
         if list(meta.shape) != list(r.shape) or dtype != r.dtype:
             raise _error(source, f"it reshards '{r.src}' into '{r.dst}' as a {r.dtype} tensor of shape {r.shape}, "
                                  f"but the graph has {dtype} of shape {list(meta.shape)}")
+
+
+def check_layouts_agree(plan: "Plan", other: "Plan") -> None:
+    """:class:`ModeError` unless every parameter, buffer and input both plans place has one layout."""
+    main = {n.fqn: n.outputs[0] for n in plan.nodes.values() if n.kind == "placeholder" and n.fqn}
+    for n in other.nodes.values():
+        if n.kind == "placeholder" and n.fqn in main and n.outputs[0] != main[n.fqn]:
+            raise ModeError(f"'{n.fqn}' is laid out {main[n.fqn]} in the {'training' if plan.training else 'eval'} "
+                            f"plan but {n.outputs[0]} in the other mode's; both modes must hold it alike. "
+                            f"Re-create the plan")

@@ -1,0 +1,286 @@
+"""A given assignment priced as the ILP prices it, outside the ILP: :func:`predict` (the modeled
+step time and peak memory of a strategy choice and memory decisions, what a :class:`Solution`
+reports), :func:`objective_of` (the ILP's objective there), and the gradient synchronisation
+(:func:`gradient_reduction`, :func:`gradient_sync`) and per-block parameter gathers
+(:func:`param_gathers`, :func:`param_gather_seconds`) the runtime runs for a choice."""
+from __future__ import annotations
+
+import math
+import operator
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from ..comm import collective_cost
+from ..decisions import DECISIONS
+from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
+from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
+from ..specs import replicated_axes
+from ..strategy import BWD, Strategy
+from .costgraph import SYNC_AXES, CGEdge, CostGraph
+from .formulation import backward_time, forward_time
+from .param_edges import chosen_param_edges
+from .results import MemoryPrediction, SolverOptions, TimePrediction
+from .segments import MemorySegment, memory_segments, post_segment_nodes
+from .steptime import SyncedGradient, SyncPricing, exposed_grad_sync, overlap_fraction
+
+if TYPE_CHECKING:
+    from torch import fx
+
+
+def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
+            options: SolverOptions) -> tuple[TimePrediction, MemoryPrediction]:
+    """Modeled step time and per-device memory of one full assignment (the ILP's objective terms,
+    and its memory: ``mem.bound`` is what the ILP's peak rows give; ``mem.peak`` also knows where
+    each decision sits in the block sequence, see :class:`MemoryPrediction`)."""
+    t, mem = TimePrediction(), MemoryPrediction()
+    post = post_segment_nodes(cg)
+    for node in cg.nodes.values():
+        s = choice[node.name]
+        c = node.costs
+        t.compute += c.compute_fwd[s] + c.compute_bwd[s]
+        t.comm += c.comm_fwd[s] + c.comm_bwd[s]
+        t.reshard += c.reshard_fwd[s] + c.reshard_bwd[s]
+        t.optimizer += c.optimizer[s]
+        mem.params += c.params[s]
+        mem.grads += c.grads[s]
+        if node.kind == "placeholder" and c.params[s]:
+            item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
+            mem.optimizer += c.params[s] / item * options.optimizer_bytes_per_param
+        if node.segment is None:
+            mem.activations += c.saved[s]
+            if node.name in post:
+                mem.post_segment += c.saved[s]
+    for e in cg.edges:
+        t.reshard += _edge_seconds(e, choice)
+    gathers = param_gathers(cg, choice)
+    per_edge, grouped = _gather_seconds(cg, choice, gathers)
+    t.reshard -= per_edge
+    t.comm += grouped
+    mem.param_copies = chosen_param_edges(cg, choice).held
+    sync = gradient_sync(cg, choice, gathers)
+    t.comm += sync.inline - sync.deferred
+    t.grad_sync = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)[0]
+    nonsegmented = mem.activations
+    per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
+    for seg in memory_segments(cg):
+        held_before = mem.activations
+        dec = decisions.get(seg.name, "keep")
+        rebuilt = _segment_prediction(cg, seg, dec, choice, t, mem)
+        per_segment.append((mem.activations - held_before, rebuilt))
+    live = nonsegmented - mem.post_segment           # held until the end of backward
+    rebuilds = []
+    for held, rebuilt in per_segment:
+        live += held
+        if rebuilt:
+            rebuilds.append(live + rebuilt)
+    mem.backward_peak = max(rebuilds, default=0.0)
+    return t, mem
+
+
+def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
+                 options: SolverOptions) -> float:
+    """The ILP's objective (seconds) at one assignment: :func:`predict`'s step time with the
+    scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
+    parameter-gradient all-reduce priced there as if bucketed."""
+    t, _ = predict(cg, choice, decisions, options)
+    gathers = param_gathers(cg, choice)
+    sync = gradient_sync(cg, choice, gathers)
+    per_edge, grouped = _gather_seconds(cg, choice, gathers)
+    param_edges = chosen_param_edges(cg, choice)
+    return (t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
+            + per_edge - grouped + param_edges.seconds - param_edges.replaced)
+
+
+def _edge_seconds(e: CGEdge, choice: dict[str, int]) -> float:
+    a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+    return float(e.fwd[a, b] + (e.bwd[a, b] if e.grad else 0.0))
+
+
+def _gather_seconds(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers) -> tuple[float, float]:
+    """What the parameters gathered per block cost: priced per edge (the ILP's terms), and as the
+    runtime runs them (one all-gather and one reduce-scatter per group)."""
+    per_edge = sum(_edge_seconds(e, choice) for e in cg.edges if (e.dst_member, e.operand) in gathers.uses)
+    grouped = 0.0
+    for group in gathers.groups:
+        nbytes = gathered_bytes(cg.graph, group)
+        grouped += sum(collective_cost(kind, nbytes, group.axes, cg.mesh.shape, cg.hardware)
+                       for kind in ("all_gather", "reduce_scatter"))
+    return per_edge, grouped
+
+
+def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
+    """What :func:`grad_sync_terms` makes of an assignment."""
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    backward_end = sum(backward_time(n.costs)[choice[n.name]] for n in cg.nodes.values())
+    total = floor = 0.0
+    for k, axes in enumerate(SYNC_AXES):
+        nbytes = sum(int(n.costs.sync_bytes[choice[n.name], k]) for n in cg.nodes.values())
+        if nbytes:
+            price = SyncPricing.of(axes, mesh_shape, hw)
+            total += nbytes * price.seconds_per_byte() + price.latency
+            floor += price.latency
+    return max(total - overlap_fraction(hw) * backward_end, floor)
+
+
+def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
+    """Which gradients the runtime all-reduces in buckets under ``choice``, and which inline
+    all-reduces that spares (:func:`autoshard.grad_reduction.plan_gradient_reduction` on the
+    chosen strategy of every graph node)."""
+    graph = cg.graph
+    fx_nodes = {n.name: n for n in graph.graph.nodes}
+    strategy_of = _chosen_strategy(cg, choice)
+
+    def resharded(name: str, j: int) -> bool:
+        node = fx_nodes[name]
+        producer = cg.table[name].operand_nodes[j]
+        if producer not in cg.node_of:
+            return False
+        wanted = strategy_of(name).input_specs[j]
+        out = (int(node.args[1]) if node.target is operator.getitem and isinstance(graph.tensor_meta(producer), tuple)
+               else 0)
+        return wanted is not None and strategy_of(producer).output_specs[out] != wanted
+
+    return plan_gradient_reduction(grad_nodes(graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
+                                              resharded, cg.mesh.shape))
+
+
+def _chosen_strategy(cg: CostGraph, choice: dict[str, int]):
+    """Graph node (or its name) -> the strategy it runs under ``choice`` (its CGNode's member)."""
+    def strategy_of(node: "fx.Node | str") -> Strategy:
+        name = node if isinstance(node, str) else node.name
+        host = cg.node_of[name]
+        return cg.nodes[host].member_strategy(name, choice[host])
+
+    return strategy_of
+
+
+def param_gather_seconds(cg: CostGraph, choice: dict[str, int]) -> tuple[float, float]:
+    """Seconds of the parameters gathered per block under ``choice``: (as the ILP prices them, per
+    resharded edge; as :func:`predict` and the runtime run them, per block)."""
+    return _gather_seconds(cg, choice, param_gathers(cg, choice))
+
+
+def param_gathers(cg: CostGraph, choice: dict[str, int]) -> ParamGathers:
+    """The parameters the runtime all-gathers per block under ``choice`` (one all-gather forward,
+    one reduce-scatter backward per group; :mod:`autoshard.param_gather`)."""
+    strategy_of = _chosen_strategy(cg, choice)
+    stored, uses = param_uses(cg.graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
+                              lambda name: strategy_of(name).output_specs[0], cg.mesh.shape)
+    return plan_param_gathers(stored, uses, cg.mesh.shape)
+
+
+class GradientSync(NamedTuple):
+    """The gradient all-reduces of one assignment, as the runtime runs them.
+
+    ``synced``: the parameter gradients synchronised in buckets, in order of first use, each with
+    the backward time at which it is complete. ``inline``: seconds of the parameter-gradient
+    all-reduces that run inline per use (priced as bucketed by the strategies, so not in their
+    ``comm``). ``deferred``: seconds of the activation-gradient all-reduces that the strategies
+    price inline but the runtime leaves to the buckets (see :mod:`autoshard.grad_reduction`).
+    ``backward_end``: the backward's length on the compute stream."""
+
+    synced: list[SyncedGradient]
+    inline: float
+    deferred: float
+    backward_end: float
+
+
+def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers | None = None) -> GradientSync:
+    """How the runtime synchronises gradients under ``choice`` (:func:`plan_gradient_reduction`
+    on the chosen strategies of every graph node; the parameters gathered per block, ``gathers``
+    (computed when None), have their gradients reduce-scattered, and what is left of their sums
+    bucketed), with the backward times the buckets wait for."""
+    gathers = param_gathers(cg, choice) if gathers is None else gathers
+    finish: dict[str, float] = {}
+    clock = 0.0
+    into: dict[str, list[CGEdge]] = {}
+    for e in cg.edges:
+        into.setdefault(e.dst, []).append(e)
+    for node in reversed(list(cg.nodes.values())):
+        c, s = node.costs, choice[node.name]
+        clock += backward_time(c)[s] + sum(e.bwd[e.src_index[choice[e.src]], e.dst_index[s]]
+                                            for e in into.get(node.name, ()) if e.grad)
+        finish[node.name] = clock
+    graph = cg.graph
+    fx_nodes = {n.name: n for n in graph.graph.nodes}
+    reduction = gradient_reduction(cg, choice)
+    position = {n.name: i for i, n in enumerate(graph.graph.nodes)}
+    synced: list[tuple[int, SyncedGradient]] = []
+    for param, axes in {**reduction.bucketed, **gathers.leftover()}.items():
+        users = [u.name for u in fx_nodes[param].users if u.op == "call_function"]
+        host = cg.node_of[param]
+        meta = graph.tensor_meta(fx_nodes[param])
+        synced.append((min(position[u] for u in users), SyncedGradient(
+            axes, str(meta.dtype), int(cg.nodes[host].costs.grads[choice[host]]),
+            max(finish[cg.node_of[u]] for u in users))))
+    synced.sort(key=lambda item: item[0])
+    inline = deferred = 0.0
+    for node in cg.nodes.values():
+        for member in node.members:
+            strategy = node.member_strategy(member, choice[node.name])
+            for a in strategy.comm:
+                if a.phase != BWD or not a.operand.startswith("in"):
+                    continue
+                j = int(a.operand[2:])
+                operand = cg.table[member].operand_nodes[j]
+                if (member, j) in gathers.uses:             # summed by its group's reduce-scatter
+                    continue
+                if a.bucketed and operand not in reduction.bucketed:
+                    inline += a.cost
+                elif not a.bucketed and (member, j) in reduction.deferred:
+                    deferred += a.cost
+    return GradientSync([g for _, g in synced], inline, deferred, clock)
+
+
+def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],
+                        t: TimePrediction, mem: MemoryPrediction) -> float:
+    """Add one segment's held activations and time under decision ``dec`` to ``t`` and ``mem``;
+    returns the bytes its backward brings back (recomputed or restored), 0 when none."""
+    mesh_shape, hw = cg.mesh.shape, cg.hardware
+    A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
+    if dec == "keep":
+        mem.activations += A
+        return 0.0
+    if dec == "selective":
+        if not seg.runs:
+            raise ValueError(f"segment {seg.name!r} has no memory-bound run that selective "
+                             "recomputation could free; keep or recompute it instead")
+        run_saved = [_at(run.saved, choice) for run in seg.runs]
+        mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
+        mem.working_set = max(mem.working_set, *run_saved)
+        t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
+        return max(run_saved)
+    if dec == "offload" and not hw.device_memory_separate:
+        mem.activations += A               # host memory is device memory: nothing freed
+        t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
+        return 0.0
+    F = sum(forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
+    mem.working_set = max(mem.working_set, A)
+    if dec == "offload":
+        B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
+        bw = hw.host_device_bandwidth
+        t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
+        return A
+    full = part = gather = 0.0
+    for e in seg.ckpt_edges:
+        spec = e.src_specs[e.src_index[choice[e.src]]]
+        nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
+        axes = replicated_axes(spec, mesh_shape)
+        full += nbytes
+        part += nbytes / math.prod(mesh_shape[x] for x in axes)
+        gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
+    if dec == "recompute":
+        mem.activations += full
+        t.recompute += F
+    elif dec == "partitioned":
+        mem.activations += part
+        t.recompute += F + gather
+    else:
+        raise ValueError(f"segment {seg.name!r}: unknown memory decision {dec!r}; use one of {', '.join(DECISIONS)}")
+    return A
+
+
+def _at(per_node: dict[str, np.ndarray], choice: dict[str, int]) -> float:
+    """A run's per-CGNode vector (see :class:`~.selective.RecomputeRun`) at the chosen strategies."""
+    return float(sum(values[choice[node]] for node, values in per_node.items()))

@@ -1,0 +1,70 @@
+"""Memory segments: the repeated-block instances that each take one memory decision (keep /
+recompute / offload / partitioned / selective, see :mod:`autoshard.decisions`), with their nodes,
+checkpointed inputs and selective runs; and the post-segment nodes whose activations backward frees
+before it reaches any segment. Shared by the ILP's memory rows (:mod:`.memory_model`), the evaluation
+of a plan (:mod:`.evaluate`) and the plan builder (:mod:`autoshard.plans.build`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .costgraph import CGEdge, CGNode, CostGraph
+from .selective import RecomputeRun, recompute_runs
+
+
+@dataclass
+class MemorySegment:
+    name: str
+    nodes: list[str]
+    saved: np.ndarray | None = None
+    ckpt_edges: list[CGEdge] = field(default_factory=list)
+    runs: list[RecomputeRun] = field(default_factory=list)    # what 'selective' recomputes
+
+
+def memory_segments(cg: CostGraph) -> list[MemorySegment]:
+    """The segments that get a memory decision, with the edges whose tensors a checkpoint stores
+    (inputs from outside the segment that are not parameters and not shared by several segments)
+    and the runs a selective recomputation re-runs (:func:`~.selective.recompute_runs`)."""
+    by_seg: dict[str, MemorySegment] = {}
+    for node in cg.nodes.values():
+        if node.segment is not None and node.kind == "call_function":
+            by_seg.setdefault(node.segment, MemorySegment(node.segment, [])).nodes.append(node.name)
+    consumers_by_src: dict[str, set[str]] = {}
+    for e in cg.edges:
+        seg = cg.nodes[e.dst].segment
+        if seg is not None:
+            consumers_by_src.setdefault((e.src, e.src_member, e.src_output), set()).add(seg)
+    seen: set = set()
+    for e in cg.edges:
+        src, dst = cg.nodes[e.src], cg.nodes[e.dst]
+        if dst.segment is None or src.segment == dst.segment or src.kind == "placeholder" and not _is_input(cg, src):
+            continue
+        key = (e.src, e.src_member, e.src_output)
+        # inputs shared by several segments (masks, rotary tables) stay resident anyway
+        if len(consumers_by_src[key]) > 1 and src.segment is None:
+            continue
+        if (dst.segment, key) in seen:
+            continue
+        seen.add((dst.segment, key))
+        by_seg[dst.segment].ckpt_edges.append(e)
+    for name, runs in recompute_runs(cg).items():
+        by_seg[name].runs = runs
+    return list(by_seg.values())
+
+
+def post_segment_nodes(cg: CostGraph) -> set[str]:
+    """Unsegmented CGNodes later in graph order than every node of a memory segment (final norm, LM
+    head, loss): their backward runs, and frees what they saved, before any segment's backward, so
+    their saved activations are gone when a recomputed or offloaded segment is brought back. Empty
+    when there are no segments."""
+    names = list(cg.nodes)
+    last = max((i for i, n in enumerate(names)
+                if cg.nodes[n].segment is not None and cg.nodes[n].kind == "call_function"), default=None)
+    if last is None:
+        return set()
+    return {n for n in names[last + 1:] if cg.nodes[n].segment is None}
+
+
+def _is_input(cg: CostGraph, node: CGNode) -> bool:
+    return cg.graph.is_user_input(node.members[0])
