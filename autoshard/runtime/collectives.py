@@ -225,9 +225,7 @@ class MeshComm(MeshCoordinates):
         consumer, as ZeRO-3 does) is flagged so that activation offload treats it as a parameter."""
         out = reshard(x, self, fwd, bwd)
         if parameter:
-            setattr(out, PARAMETER_FLAG, True)
-            if out._base is not None:    # the moves may return a view: views of it (weight.t()) see the base
-                setattr(out._base, PARAMETER_FLAG, True)
+            _flag_parameter(out)
         return out
 
     def reduce_partial(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -246,11 +244,19 @@ class MeshComm(MeshCoordinates):
         arrive as partial sums over ``axes``); flagged as parameters for activation offload."""
         whole = _GatherParams.apply(self, axes, dims, *shards)
         for t in whole:
-            setattr(t, PARAMETER_FLAG, True)
+            _flag_parameter(t)
         return whole
 
     def __repr__(self) -> str:
         return f"MeshComm(mesh={self.mesh_shape}, coord={self.coord})"
+
+
+def _flag_parameter(t: torch.Tensor) -> None:
+    """Flag a parameter copy, and its base where it is a view (a gathered group is views of one
+    buffer; the views autograd saves, ``weight.t()``, see only the base)."""
+    setattr(t, PARAMETER_FLAG, True)
+    if t._base is not None:
+        setattr(t._base, PARAMETER_FLAG, True)
 
 
 # -- autograd wrappers ---------------------------------------------------------------------------

@@ -84,9 +84,31 @@ def test_memory_decision_with_sharding_matches_single_device(name, baseline, dec
     on_all_ranks(f"{name} {baseline} with every segment {decision}", _decision_run, name, baseline, decision)
 
 
+def _forcing_budget(name: str, hardware: "str | dict", fraction: float) -> int:
+    """A budget ``fraction`` of the way from the smallest any plan meets to the smallest a plan
+    keeping every block meets: every plan under it recomputes or offloads some block (a fraction of
+    the unconstrained plan's peak need not: another sharding may fit it with every block kept)."""
+    from autoshard.solver import SolverOptions, build_cost_graph
+    from autoshard.solver.ilp import minimum_budget
+
+    hw = hardware if isinstance(hardware, str) else autoshard.HardwareProfile.from_dict(hardware)
+    cg = build_cost_graph(autoshard.enumerate_strategies(_graph(name), mesh_shape=(2, 2), hardware=hw))
+    keep_all, _ = minimum_budget(cg, SolverOptions(fixed_decision="keep"))
+    least, _ = minimum_budget(cg, SolverOptions())
+    assert keep_all > least * 1.05, (keep_all, least)
+    return int(least + fraction * (keep_all - least))
+
+
 def _budget_run(name: str, fraction: float, hardware: "str | dict" = "h100-nvlink", expect: str | None = None) -> None:
-    free = _plan_on_rank0(name, hardware)
-    plan = _plan_on_rank0(name, hardware, memory_budget=int(free.memory["peak"] * fraction))
+    """``expect`` None: a budget ``fraction`` of the way to keeping every block (:func:`_forcing_budget`);
+    else ``fraction`` of the unconstrained plan's peak, and some segment must take decision ``expect``."""
+    if expect is None:
+        box = [_forcing_budget(name, hardware, fraction) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        budget = box[0]
+    else:
+        budget = int(_plan_on_rank0(name, hardware).memory["peak"] * fraction)
+    plan = _plan_on_rank0(name, hardware, memory_budget=budget)
     assert set(plan.segments.values()) - {"keep"}, f"the budget should force recompute/offload: {plan.segments}"
     assert expect is None or expect in plan.segments.values(), f"expected some {expect}: {plan.segments}"
     model, _, kwargs = _model(name)
@@ -112,7 +134,8 @@ def _budget_run(name: str, fraction: float, hardware: "str | dict" = "h100-nvlin
 def test_budgeted_plan_runs_its_predicted_collectives(name, fraction):
     """Recomputed segments re-run their forward collectives (phase 'recompute'); offloaded ones
     copy exactly the saved-activation bytes the plan counts."""
-    on_all_ranks(f"{name} at {fraction:.0%} of the unconstrained peak", _budget_run, name, fraction)
+    on_all_ranks(f"{name} at {fraction:.0%} of the way from the least memory to keeping every block", _budget_run,
+                 name, fraction)
 
 
 # A roofline-only CPU profile: cpu-gloo as measured on 2026-11-22, before profiles carried measured
