@@ -28,8 +28,11 @@ def parse_bytes(value: "int | float | str") -> int:
     return int(size)
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float, round_up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit it reaches, to 2 decimals (rounded up with
+    ``round_up``: a smallest budget that works must not print as one that does not)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+            value = math.ceil(n / scale * 100) / 100 if round_up else n / scale
+            return f"{value:.2f} {unit}"
+    return f"{math.ceil(n) if round_up else int(n)} B"

@@ -90,7 +90,7 @@ def test_infeasible_budget_names_the_minimum(gpt2_small_layers):
     with pytest.raises(InfeasibleBudgetError) as e:
         solve(gpt2_small_layers, SolverOptions(memory_budget=int(need * 0.9)))
     from autoshard.units import format_bytes
-    assert f"smallest feasible budget is {format_bytes(need)}" in str(e.value)
+    assert f"smallest feasible budget is {format_bytes(need, round_up=True)}" in str(e.value)
 
 
 def test_restrictions_are_honoured(gpt2_small_layers):
@@ -128,7 +128,7 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
     is a selective-recompute run; on h100-nvlink, at this size, none is worth it (and offload is)."""
     import random
     import pulp
-    from autoshard.solver.ilp import M, T, _build, _value, memory_segments
+    from autoshard.solver.ilp import T, _build, _value, memory_segments
     from autoshard.solver.memory_model import _allowed_decisions
     cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32)
     rng = random.Random(0)
@@ -153,7 +153,7 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
             if feasible:
                 objective = _value(m.prob.objective) - _value(handles["tie"])    # as solve() reports it
                 assert objective / T == pytest.approx(objective_of(cg, choice, decisions, SolverOptions()), rel=1e-6)
-                assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.bound, rel=1e-6)
+                assert max(_value(p) for p in handles["peaks"]) * m.M == pytest.approx(mem.bound, rel=1e-6)
                 assert mem.peak <= mem.bound * (1 + 1e-12)
     assert drawn == set(allowed) - ({"selective"} if hardware != "cpu-gloo" else set())
 
@@ -268,7 +268,7 @@ def test_post_segment_activations_are_freed_before_recomputation():
     static + activations - post_segment + working set, below static + activations + working set by
     exactly the post-segment saved bytes, in predict and in the ILP's peak rows."""
     import pulp
-    from autoshard.solver.ilp import M, _build, _value, post_segment_nodes
+    from autoshard.solver.ilp import _build, _value, post_segment_nodes
     cg = _cost_graph("gpt2-tiny", (2, 2), batch=8)
     post = post_segment_nodes(cg)
     order = list(cg.nodes)
@@ -293,7 +293,7 @@ def test_post_segment_activations_are_freed_before_recomputation():
     _fix_assignment(m, handles, keep.choice, decisions)
     m.prob.solve(pulp.HiGHS(msg=False))
     assert pulp.LpStatus[m.prob.status] == "Optimal"
-    assert max(_value(p) for p in handles["peaks"]) * M == pytest.approx(mem.bound, rel=1e-6)
+    assert max(_value(p) for p in handles["peaks"]) * m.M == pytest.approx(mem.bound, rel=1e-6)
 
 
 
@@ -338,3 +338,24 @@ def test_a_plan_never_exceeds_a_small_budget_within_the_solver_tolerance():
         except InfeasibleBudgetError:
             continue
         assert plan.memory["bound"] <= budget, (budget, plan.memory)
+
+
+def test_the_smallest_feasible_budget_named_by_the_error_plans():
+    """The error names a budget that works (the memory unit follows the budget's scale, so the
+    solvers' feasibility tolerance is no longer ~1 KiB, and the figure is rounded up): before, a
+    toy model's message said 1.22 KiB where nothing below ~1.4 KiB planned."""
+    import re
+
+    import autoshard
+    from autoshard.units import parse_bytes
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget="1KiB")
+    need = parse_bytes(re.search(r"smallest feasible budget is ([\d.]+) (\w+)", str(info.value)).expand(r"\1\2"))
+    plan = autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget=need)
+    assert plan.memory["bound"] <= need
+    with pytest.raises(InfeasibleBudgetError):
+        autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget=int(plan.memory["bound"]) - 1)

@@ -3,11 +3,12 @@
 :class:`Model` holds the problem: one-hot strategy variables per decision group, the product
 variables of each edge group on its distinct-spec grid and the marginals that tie them to the
 strategies, and the linear expressions of per-node costs. The terms here are seconds per step in
-ILP units (:data:`T` microseconds per second, :data:`M` bytes per GiB): node compute and
+ILP units (:data:`T` microseconds per second, ``Model.M`` bytes: see :func:`memory_unit`): node compute and
 collectives, the gradient synchronisation as the runtime buckets and overlaps it, edge resharding
 (parameter edges priced by :mod:`.param_edges`), and the copies of parameters held until backward."""
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -21,12 +22,31 @@ from .steptime import SyncPricing, overlap_fraction
 
 
 T = 1e6          # ILP time unit: microseconds per second
-M = float(2**30) # ILP memory unit: bytes per GiB
+M = float(2**30) # the memory unit of a model with no scale to go by: bytes per GiB (see memory_unit)
 RESHARD_PENALTY = 1e3  # solve(reshard=False): edge resharding weighs this much more than its time
 
 
+def memory_unit(scale: float) -> float:
+    """The ILP's memory unit (bytes) for memory of about ``scale`` bytes (the budget, or what the
+    graph could hold): a power of two that puts ``scale`` near 1024 units. Memory rows then keep
+    their coefficients near 1 (byte-valued rows next to binaries make HiGHS report false
+    infeasibility), and the solvers' feasibility tolerance (1e-6 units) stays a millionth of a KiB
+    of a 1 GiB budget's unit and a fraction of a byte of a 1 KiB one: with a fixed GiB unit it was
+    ~1 KiB, the whole of a toy budget."""
+    if not scale > 0:
+        return M
+    return float(2.0 ** max(0, round(math.log2(scale)) - 10))
+
+
+def _memory_scale(cg: CostGraph) -> float:
+    """Bytes per device the graph could hold at most: every node's largest parameters, gradients
+    and saved activations (a scale for :func:`memory_unit`, not a prediction)."""
+    return float(sum(np.max(n.costs.params + n.costs.grads + n.costs.saved) for n in cg.nodes.values()))
+
+
 class Model:
-    """The PuLP problem plus helpers to express per-strategy quantities linearly."""
+    """The PuLP problem plus helpers to express per-strategy quantities linearly. ``M``: its memory
+    unit (:func:`memory_unit` of the budget, or of the graph's scale without one)."""
 
     def __init__(self, cg: CostGraph, options: SolverOptions, sense=pulp.LpMinimize,
                  allowed: dict[str, Iterable[int]] | None = None, reshard: Reshard = True):
@@ -39,6 +59,7 @@ class Model:
         self.group_of: dict[str, str] = {}        # CGNode name -> group key
         self.param_prices = param_edge_prices(cg)  # id(edge) -> ParamEdgePrice
         self.pairs: dict[int, dict[tuple[int, int], object]] = {}   # id(edge) -> (a, b) -> expression
+        self.M = memory_unit(float(options.memory_budget) if options.memory_budget else _memory_scale(cg))
         self._n = 0
         for g in cg.variable_groups():
             for node in g.nodes:
@@ -214,12 +235,12 @@ def _gather_latency_terms(m: Model, gathers: dict[tuple[str, Axes], set[tuple[in
 
 
 def held_param_copies(m: Model) -> pulp.LpAffineExpression:
-    """GiB per device of parameter copies read larger than stored, held until backward."""
+    """Parameter copies read larger than stored, held until backward (memory units per device)."""
     out = []
     for eg in m.cg.edge_groups():
         price = m.param_prices.get(id(eg.edge))
         if price is not None and np.any(price.held):
-            out += [eg.count * float(price.held[a, b]) / M * m.pair(eg.edge, a, b)
+            out += [eg.count * float(price.held[a, b]) / m.M * m.pair(eg.edge, a, b)
                     for a, b in zip(*np.nonzero(price.held))]
     return pulp.lpSum(out)
 

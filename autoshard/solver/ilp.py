@@ -181,7 +181,7 @@ def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[in
     m.prob += pulp.lpSum(objective_terms) + handles["tie"]
     if options.memory_budget is not None:
         for peak in peaks:
-            m.prob += peak <= (float(options.memory_budget) - margin) / M
+            m.prob += peak <= (float(options.memory_budget) - margin) / m.M
     handles["peaks"] = peaks                 # the peak is their max
     return m, handles
 
@@ -242,7 +242,7 @@ def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, res
              "gathered parameters": mem.param_copies, "activations": mem.bound - mem.static}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
     return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
-            f"{cg.mesh}: the smallest feasible budget is {format_bytes(need)} "
+            f"{cg.mesh}: the smallest feasible budget is {format_bytes(need, round_up=True)} "
             f"({', '.join(f'{k} {format_bytes(v)}' for k, v in parts.items())}; {top} dominate). "
             "Raise the budget, use a larger mesh, or a smaller batch.")
 

@@ -18,7 +18,7 @@ from ..comm import collective_cost
 from ..decisions import DECISIONS
 from ..specs import replicated_axes
 from .costgraph import CGEdge
-from .formulation import M, T, Model, forward_time, held_param_copies
+from .formulation import T, Model, forward_time, held_param_copies
 from .results import SolverOptions
 from .segments import MemorySegment, memory_segments, post_segment_nodes
 
@@ -51,7 +51,7 @@ def memory_and_recompute(m: Model, objective_terms: list,
         keep_all = keep_all + forms.saved.scaled(len(segs))
         segment_forms[segs[0].name] = forms
         not_kept += bounds
-    must_drop = budget is not None and keep_all.lower(m) > budget / M + 1e-6
+    must_drop = budget is not None and keep_all.lower(m) > budget / m.M + 1e-6
     _designated_working_set(m, not_kept, working, must_drop)
     held = static.expr(m) + held_param_copies(m) + nonseg_act.expr(m) + pulp.lpSum(seg_act)
     if post_act.upper() <= 0:
@@ -88,12 +88,12 @@ def _static_and_unsegmented_memory(m: Model) -> tuple["_Form", "_Form", "_Form"]
             item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
             opt_state = c.params / item * opts.optimizer_bytes_per_param
         if np.any(c.params + c.grads + opt_state):
-            static.add(g.key, g.count * (c.params + c.grads + opt_state) / M)
+            static.add(g.key, g.count * (c.params + c.grads + opt_state) / m.M)
         if node.segment is None and np.any(c.saved):
-            nonseg_act.add(g.key, g.count * c.saved / M)
+            nonseg_act.add(g.key, g.count * c.saved / m.M)
             n_post = sum(n in post for n in g.nodes)
             if n_post:
-                post_act.add(g.key, n_post * c.saved / M)
+                post_act.add(g.key, n_post * c.saved / m.M)
     return static, nonseg_act, post_act
 
 
@@ -160,13 +160,13 @@ def _segment_forms(m: Model, seg: MemorySegment) -> _SegmentForms:
     f = _SegmentForms(*(_Form() for _ in range(6)))
     for n in seg.nodes:
         c, g = cg.nodes[n].costs, m.group_of[n]
-        f.saved.add(g, c.saved / M)
+        f.saved.add(g, c.saved / m.M)
         f.fwd.add(g, forward_time(c) * T)
         f.bwd.add(g, c.compute_bwd * T)
     for e in seg.ckpt_edges:
         full_bytes = _spec_bytes(e, mesh_shape)
         axes = [replicated_axes(s, mesh_shape) for s in e.src_specs]
-        full = full_bytes / M
+        full = full_bytes / m.M
         part = full / np.array([math.prod(mesh_shape[a] for a in ax) for ax in axes], dtype=float)
         gather = T * np.array([collective_cost("all_gather", b, ax, mesh_shape, hw) for b, ax in zip(full_bytes, axes)])
         g, index = m.group_of[e.src], np.asarray(e.src_index)   # per distinct spec -> per strategy
@@ -178,12 +178,12 @@ def _segment_forms(m: Model, seg: MemorySegment) -> _SegmentForms:
         for run in seg.runs:
             saved = _Form()
             for node, values in run.saved.items():
-                saved.add(m.group_of[node], values / M)
-                f.selective_held.add(m.group_of[node], -values / M)
+                saved.add(m.group_of[node], values / m.M)
+                f.selective_held.add(m.group_of[node], -values / m.M)
             for node, values in run.fwd.items():
                 f.selective_fwd.add(m.group_of[node], values * T)
             for node, values in run.stored.items():
-                f.selective_held.add(m.group_of[node], values / M)
+                f.selective_held.add(m.group_of[node], values / m.M)
             f.run_saved.append(saved)
     return f
 
@@ -246,19 +246,19 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
             time_terms.append(rec)
     resident = {"keep", "selective"}       # decisions that bring no whole segment back in backward
     if "offload" in counts:
-        per_gib = M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one GiB
+        per_unit = m.M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one memory unit
         if separate:
             saved, fwd, bwd = prods["offload"]
             for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
                 exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
-                m.prob += exposed >= per_gib * saved - phase_compute
+                m.prob += exposed >= per_unit * saved - phase_compute
                 time_terms.append(exposed)
         else:
             # Host memory is device memory: the copy frees nothing and nothing hides it. Only
             # offered alone (see _allowed_decisions), so it never shares a class with keep.
             (saved,) = prods["offload"]
             memory.append(saved)
-            time_terms.append(per_gib * saved)
+            time_terms.append(per_unit * saved)
             resident.add("offload")
     bounds = []
     whole = [k for k in counts if k not in resident]
