@@ -205,10 +205,14 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _print_plan(result, *, full: bool, plain: bool) -> None:
-    if plain or _plain:
-        sys.stdout.write(result.explain(plain=True, full=full))
+    """The plan's summary; with ``full`` also its per-node table, every node listed."""
+    if not full:
+        sys.stdout.write("\n".join(result.summary_lines()) + f"\nper-node decisions of the {len(result.nodes)} "
+                         "graph nodes: add --full\n")
+    elif plain or _plain:
+        sys.stdout.write(result.explain(plain=True, full=True))
     else:
-        console.print(result.renderable(full=full))
+        console.print(result.renderable(full=True))
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -306,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--layers", type=_int_at_least_1, default=None, help="override the number of layers")
 
     def explain_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--full", action="store_true", help="list every node (no grouping of identical blocks)")
+        sp.add_argument("--full", action="store_true",
+                        help="after the summary, the per-node table: every node's strategy, collectives and memory")
 
     cap = command("capture", "capture a model on meta tensors and summarise its graph")
     model_args(cap)
