@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -64,9 +65,29 @@ def _graph(args: argparse.Namespace):
     """Capture the model named on the command line on meta tensors (repeated layers folded)."""
     from .fold import capture_preset
 
-    with Progress().stage(f"capturing {args.model} on meta tensors"):
+    with contextlib.ExitStack() as stack:
+        def before_capture(model_args: tuple, model_kwargs: dict) -> None:
+            _check_factory_batch(args, model_args, model_kwargs)
+            stack.enter_context(Progress().stage(f"capturing {args.model} on meta tensors"))
+
         return capture_preset(args.model, device="meta", batch=args.batch, seq=args.seq,
-                              num_layers=getattr(args, "layers", None))
+                              num_layers=getattr(args, "layers", None), before_capture=before_capture)
+
+
+def _check_factory_batch(args: argparse.Namespace, model_args: tuple, model_kwargs: dict) -> None:
+    """For ``plan``, the planner's batch check on the example inputs a preset or factory built,
+    before the capture (a model file's batch is known only once its factory has run)."""
+    if not hasattr(args, "allow_indivisible_batch") or args.allow_indivisible_batch:
+        return
+    import torch
+
+    from .api import _check_batch
+    from .mesh import MeshSpec
+
+    leaves = [(f"args[{i}]", a) for i, a in enumerate(model_args)] + \
+        [(f"kwargs[{k!r}]", v) for k, v in model_kwargs.items()]
+    _check_batch([(where, tuple(t.shape)) for where, t in leaves if isinstance(t, torch.Tensor)],
+                 MeshSpec.of(args.mesh))
 
 
 def _capture(args: argparse.Namespace) -> int:

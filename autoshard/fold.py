@@ -795,12 +795,15 @@ def _verify(src: _Layout, depth: int, model: nn.Module, real: ExportedProgram) -
 
 def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: int | None = None,
                    seq: int | None = None, num_layers: int | None = None, fold: bool = True,
+                   before_capture: "Callable[[tuple, dict], None] | None" = None,
                    **overrides: Any) -> CapturedGraph:
     """Build a model-zoo preset (see :func:`autoshard.models.build_model`) and capture it.
 
     Hugging Face presets (anything whose config has ``num_hidden_layers``) are captured folded
     (:func:`capture_folded`) unless ``fold=False``; a :class:`FoldError` falls back to a full
     capture with a warning. Other presets and ``file.py:factory`` models are captured in full.
+    ``before_capture(args, kwargs)`` sees the example inputs once the model is built, before the
+    capture (which can take minutes): a check that raises there saves it.
     """
     from .models import build_model
 
@@ -808,6 +811,8 @@ def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: i
     if num_layers is not None:
         options["num_layers"] = num_layers
     model, args, kwargs = build_model(name, **options)
+    if before_capture is not None:
+        before_capture(tuple(args), dict(kwargs or {}))
     depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if not fold or not isinstance(depth, int):
         if torch.device(device).type == "meta":

@@ -447,6 +447,17 @@ def test_cli_checks_before_capture(monkeypatch, argv) -> None:
     assert cli.main(argv) == 2
 
 
+def test_cli_checks_a_factory_files_batch_before_capture(tmp_path, capsys) -> None:
+    """A model file's batch is known once its factory has run: the check comes then, before the
+    capture starts (no 'capturing' stage on stderr), with the planner's message."""
+    path = tmp_path / "six.py"
+    path.write_text("import torch\n\ndef factory():\n"
+                    "    return torch.nn.Linear(8, 4), (torch.randn(6, 8),)\n")
+    assert cli.main(["plan", f"{path}:factory", "--mesh", "2x2", "--hardware", HW]) == 2
+    err = capsys.readouterr().err
+    assert "multiple of 4" in err and "args[0]" in err and "capturing" not in err, err
+
+
 def test_cli_stdout_is_only_the_plan(capfd) -> None:
     """The HiGHS banner (printed by native code) goes to stderr; stdout is the plain explanation."""
     assert cli.main(["plan", "mlp", "--mesh", "2x2", "--hardware", HW, "--plain"]) == 0
