@@ -7,6 +7,7 @@ the inputs are; meta tensors allocate nothing) -> strategy enumeration -> cost g
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -260,7 +261,16 @@ def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, 
         raise TypeError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}")
     # Always on meta, whatever device the model and inputs are on: nothing is allocated, and the
     # graph is the one the runtime captures (export records slightly different graphs per device).
-    return capture_meta(model_or_graph, args, kwargs, name=name)
+    # A Hugging Face stack of layers is captured folded (exported at 2 and 3 layers, unrolled: the
+    # graph a full export gives, in a fraction of its time); anything that does not fold, in full.
+    from .fold import FoldError, capture_module_folded
+
+    try:
+        folded = capture_module_folded(model_or_graph, args, kwargs, name=name)
+    except FoldError as e:
+        logging.getLogger(__name__).info("folded capture of %s failed, capturing in full: %s", name, e)
+        folded = None
+    return folded if folded is not None else capture_meta(model_or_graph, args, kwargs, name=name)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
 
 from .capture import CapturedGraph, capture
 
-__all__ = ["FoldError", "capture_folded", "capture_preset", "exported_differences"]
+__all__ = ["FoldError", "capture_folded", "capture_module_folded", "capture_preset", "exported_differences"]
 
 log = logging.getLogger(__name__)
 
@@ -791,6 +791,49 @@ def _verify(src: _Layout, depth: int, model: nn.Module, real: ExportedProgram) -
     if diffs:
         raise FoldError(f"unfolding the {src.depth}-layer graph to {depth} layers does not "
                         "reproduce the real export:\n  " + "\n  ".join(diffs))
+
+
+def capture_module_folded(model: nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
+                          name: str | None = None) -> CapturedGraph | None:
+    """A model's folded capture on meta tensors, from the model itself (what
+    :func:`autoshard.plan` uses): a Hugging Face model (``config.num_hidden_layers`` > 3) whose
+    layers are the one ``nn.ModuleList`` of that length. The probes are copies of the model with
+    that list cut to 2 and 3 layers (and ``config.num_hidden_layers``, ``config.layer_types`` to
+    match), so whatever the user changed in the model (dtype, replaced modules, attributes) is in
+    them; the full-depth model is the model's own meta copy, whose parameters the unfolded
+    signature must match exactly. None when the model does not qualify; :class:`FoldError` when
+    folding cannot reproduce export (capture in full then)."""
+    from .meta_capture import meta_copy, to_meta
+
+    config = getattr(model, "config", None)
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth <= 3:
+        return None
+    lists = [path for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if len(lists) != 1:
+        return None
+    parent_path, _, attr = lists[0].rpartition(".")
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    meta_args, meta_kwargs = to_meta(args), to_meta(dict(kwargs or {}))
+    with torch.device("meta"):
+        full = meta_copy(model)
+
+    def build(layers: int) -> Built:
+        if layers == depth:
+            return full, meta_args, meta_kwargs
+        parent = full.get_submodule(parent_path)
+        every = getattr(parent, attr)
+        setattr(parent, attr, nn.ModuleList(list(every)[:layers]))
+        try:
+            probe = copy.deepcopy(full)       # meta: allocates nothing; the config is copied with it
+        finally:
+            setattr(parent, attr, every)
+        probe.config.num_hidden_layers = layers
+        if isinstance(getattr(probe.config, "layer_types", None), list):
+            probe.config.layer_types = probe.config.layer_types[:layers]
+        return probe, meta_args, meta_kwargs
+
+    return capture_folded(build, depth, name=name)
 
 
 def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: int | None = None,

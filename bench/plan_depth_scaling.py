@@ -5,7 +5,10 @@ Stages, each timed on its own: capture (folded: two shallow exports + unfolding,
 autoshard/fold.py), enumerate_strategies, build_cost_graph(alias_blocks=True) and the ILP solve
 with default SolverOptions (no memory budget); total is their sum. The ILP is then solved again
 under the profile's memory per device (80 GiB), reported apart: how hard a budget is depends on
-how tight it is at that depth. Also times one full (unfolded) capture of the 80-layer model.
+how tight it is at that depth. Also times one full (unfolded) capture of the 80-layer model, and
+the library call a user makes, ``autoshard.plan(model, kwargs=inputs, mesh=(2, 4))`` on the
+Llama-2-7B model object built from its Hugging Face config (capture folded from the model itself,
+then the same stages).
 Run: python bench/plan_depth_scaling.py [--reps 1] [--depths 12 24 48 80] [--no-full]
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from autoshard.solver import build_cost_graph
 from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, solve
 
 HARDWARE, BATCH, SEQ = "h100-nvlink", 4, 2048
+LIBRARY_BATCH = 8     # autoshard.plan checks that the 8 devices of 2x4 divide the batch
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,23 @@ def _solve_with_budget(cg) -> tuple[Solution | None, int]:
         return None, budget
 
 
+def library_plan(reps: int) -> dict:
+    """``autoshard.plan`` on Llama-2-7B's model object (built from its Hugging Face config on meta),
+    2x4, timed from the call to the plan: the library's own capture (folded from the model) and stages."""
+    import autoshard
+
+    model, args, kwargs = build_model("llama-7b", batch=LIBRARY_BATCH, seq=SEQ)
+    runs = []
+    for _ in range(reps):
+        gc.collect()
+        start = time.perf_counter()
+        plan = autoshard.plan(model, args, kwargs, mesh=(2, 4), hardware=HARDWARE)
+        wall = time.perf_counter() - start
+        runs.append({"total_s": wall, **{k: v for k, v in plan.timings.items()}, "nodes": len(plan.nodes),
+                     "step_time_s": plan.time["total"]})
+    return {"median_total_s": median([r["total_s"] for r in runs]), "runs": runs}
+
+
 def full_capture_seconds(layers: int) -> float:
     model, args, kwargs = build_model("llama-70b", batch=BATCH, seq=SEQ, num_layers=layers)
     start = time.perf_counter()
@@ -104,10 +125,12 @@ def main() -> None:
                 "budget_solve_s")}
         results.append({"config": cfg.__dict__, "median": med, "runs": runs})
         print(f"{cfg.label}: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
+    library = library_plan(opts.reps)
+    print(f"llama-7b via autoshard.plan: {library['median_total_s']:.2f} s", flush=True)
     full = None if opts.no_full else full_capture_seconds(80)
     data = {"hardware": HARDWARE, "batch": BATCH, "seq": SEQ, "reps": opts.reps,
             "full_capture_80_layers_s": full, "load_average_at_end": os.getloadavg(),
-            "results": results}
+            "results": results, "library_plan_llama7b": library}
     header = ["model", "mesh", "graph nodes", "capture s", "enumerate s", "cost graph s",
               "solve s", "total s", "ILP vars", "solve s, 80 GiB budget"]
     rows = []
@@ -118,12 +141,19 @@ def main() -> None:
                      f"{med['costgraph_s']:.2f}", f"{med['solve_s']:.2f}",
                      f"{med['total_s']:.2f}", run["ilp_variables"],
                      f"{med['budget_solve_s']:.2f} ({run['budget_status']})"])
+    lib = library["runs"][0]
+    rows.append(["llama-7b, 32 layers: autoshard.plan(model) from the library", "2x4", lib["nodes"],
+                 f"{lib.get('capture_s', 0):.2f}", f"{lib.get('enumerate_s', 0):.2f}",
+                 f"{lib.get('costgraph_s', 0):.2f}", f"{lib.get('build_s', 0) + lib.get('solve_s', 0):.2f}",
+                 f"{library['median_total_s']:.2f}", "-", "-"])
     note = (f"Batch {BATCH}, seq {SEQ}, fp32, meta tensors, {HARDWARE}; median of {opts.reps} "
             "run(s) after a warm-up; load average at the end "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores. capture is folded (two shallow "
             "exports + unfolding, exact); the cost graph aliases identical blocks; total = "
             "capture + enumerate + cost graph + solve without a memory budget. The last column "
-            "solves the same cost graph again under the profile's 80 GiB per device.")
+            "solves the same cost graph again under the profile's 80 GiB per device. The last row is "
+            f"the library call on the model object at batch {LIBRARY_BATCH} (wall time of autoshard.plan, "
+            "the plan's own stage timings; its graph nodes are the plan's).")
     if full is not None:
         note += f" A full (unfolded) capture of the 80-layer model took {full:.2f} s."
     write("plan_depth_scaling", data, header, rows, note)

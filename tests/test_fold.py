@@ -241,3 +241,50 @@ def test_non_periodic_models_raise(options, message):
 def test_a_depth_that_changes_nothing_raises():
     with pytest.raises(FoldError, match="does not change the model"):
         capture_folded(lambda depth: _stack_builder()(2), 6)
+
+
+# -- the library's capture (autoshard.plan) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_the_library_folds_a_hugging_face_model_exactly(preset):
+    """autoshard.plan's capture of a model object (no preset name) is folded and is the graph the
+    runtime's full meta capture gives, fingerprint for fingerprint."""
+    from autoshard.api import _captured
+    from autoshard.runtime import capture_meta
+
+    model, args, kwargs = build_model(preset, device="cpu", batch=4, num_layers=6)
+    folded = _captured(model, args, kwargs, name=preset)
+    assert "fold_s" in folded.timings
+    assert folded.fingerprint() == capture_meta(model, args, kwargs, name=preset).fingerprint()
+
+
+def test_the_library_fold_keeps_what_the_user_changed():
+    """The probes are cut from the model itself, so a cast and a replaced module are in them: the
+    folded graph still equals the full capture (a model rebuilt from its config would have neither)."""
+    from autoshard.api import _captured
+    from autoshard.runtime import capture_meta
+
+    model, args, kwargs = build_model("llama-tiny", device="cpu", batch=4, num_layers=5)
+    model = model.to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = nn.Tanh()
+    folded = _captured(model, args, kwargs, name="edited")
+    assert "fold_s" in folded.timings
+    assert folded.fingerprint() == capture_meta(model, args, kwargs, name="edited").fingerprint()
+    assert "aten.tanh.default" in {str(n.target) for n in folded.graph.nodes}
+
+
+def test_the_library_captures_in_full_what_does_not_fold(monkeypatch):
+    """A model that is no Hugging Face stack, or whose fold fails, is captured in full."""
+    from autoshard.api import _captured
+
+    model, args, kwargs = build_model("mlp", depth=6)
+    assert "fold_s" not in _captured(model, args, kwargs, name="mlp").timings
+
+    def refuse(*a, **k):
+        raise FoldError("not periodic")
+    monkeypatch.setattr(fold, "capture_folded", refuse)
+    model, args, kwargs = build_model("gpt2-tiny", device="cpu", batch=4, num_layers=5)
+    graph = _captured(model, args, kwargs, name="gpt2")
+    assert "fold_s" not in graph.timings and len(list(graph.graph.nodes)) > 0

@@ -201,20 +201,40 @@ def edge_time_terms(m: Model) -> list:
 
 
 def _inline_grad_terms(m: Model, count: int, e: CGEdge, price) -> list:
-    """The consumer's gradient all-reduce of a parameter read resharded runs inline: ``w >= x_c +
-    resharded - 1`` per consumer strategy ``c`` that has one, costing ``price.inline[c]``."""
+    """The consumer's gradient all-reduce of a parameter read resharded runs inline, costing what
+    the consumer's strategy ``c`` prices it at (``price.inline[c]``). Per spec ``b`` the consumer
+    reads the parameter in, the cheapest such cost of the strategies reading ``b``, ``k_b``, is owed
+    on the mass of the resharded pairs of column ``b`` of ``y`` (linear, and exact where those
+    strategies agree); what a strategy costs beyond ``k_b`` is owed through ``w_c >= x_c -
+    sum(y[a, b] over the specs a read without resharding)``, exact at integer points. (The plain
+    product ``w >= x_c + resharded - 1`` left HiGHS a weak relaxation: Llama-7B on 2x4 under 80 GiB
+    solved in 18 s instead of 1.5.)"""
     if not np.any(price.inline) or not np.any(price.resharded):
         return []
-    resharded = pulp.lpSum(m.pair(e, a, b) for a, b in zip(*np.nonzero(price.resharded)))
     xs = m.x[m.group_of[e.dst]]
-    if len(xs) == 1:
-        return [count * float(price.inline[0]) * T * resharded]
+    by_spec: dict[int, list[int]] = {}
+    for c in range(len(price.inline)):
+        by_spec.setdefault(int(e.dst_index[c]), []).append(c)
     terms = []
-    for c, seconds in enumerate(price.inline):
-        if seconds > 0:
+    for b, strategies in by_spec.items():
+        resharded = [a for a in range(len(e.src_specs)) if price.resharded[a, b]]
+        if not resharded:
+            continue
+        floor = min(float(price.inline[c]) for c in strategies)
+        if floor > 0:
+            terms.append(count * floor * T * pulp.lpSum(m.pair(e, a, b) for a in resharded))
+        kept = [a for a in range(len(e.src_specs)) if not price.resharded[a, b]]
+        for c in strategies:
+            extra = float(price.inline[c]) - floor
+            if extra <= 0:
+                continue
+            x_c = xs[c] if len(xs) > 1 else 1.0
+            if not kept:                           # every layout it could come from is resharded
+                terms.append(count * extra * T * x_c)
+                continue
             w = m.var(0.0, 1.0, name="inline")
-            m.prob += w >= xs[c] + resharded - 1
-            terms.append(count * float(seconds) * T * w)
+            m.prob += w >= x_c - pulp.lpSum(m.pair(e, a, b) for a in kept)
+            terms.append(count * extra * T * w)
     return terms
 
 
