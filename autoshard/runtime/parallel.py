@@ -531,7 +531,8 @@ def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, b
 
 
 _DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
-                    "segments", "reshards", "inputs", "outputs", "training", "other_mode")
+                    "segments", "reshards", "inputs", "outputs", "training", "other_mode",
+                    "mixed_precision")
 
 
 def _plan_digest(plan: Plan) -> str:
