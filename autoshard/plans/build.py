@@ -110,6 +110,14 @@ def _strategy(cg: "CostGraph", name: str, choice: dict[str, int]) -> Strategy:
     return cg.table[name].strategies[choice[name]]
 
 
+def _stored(cg: "CostGraph", placeholder: str, nbytes: int) -> int:
+    """Bytes of a placeholder's parameter (or gradient) as stored: the master dtype's under mixed precision."""
+    meta = cg.graph.tensor_meta(placeholder)
+    if not nbytes or meta is None:
+        return int(nbytes)
+    return int(nbytes) // meta.dtype.itemsize * cg.stored_itemsize(placeholder)
+
+
 def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) -> NodePlan:
     graph = cg.graph
     ns = cg.table[name]
@@ -126,8 +134,9 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) 
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
         collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
-                                     float(c.cost), bool(c.bucketed)) for c in s.comm],
-        memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
+                                     float(c.cost), bool(c.bucketed)) for c in map(cg.as_run, s.comm)],
+        memory={"params": _stored(cg, name, m.params) if stores else 0,
+                "grads": _stored(cg, name, m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
         operands=list(ns.operand_nodes),
     )

@@ -40,6 +40,7 @@ Shared arrays (cost vectors, index maps, edge matrices) are read-only: identical
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from ..comm import collective_cost
 from ..capture import CapturedGraph, TensorMeta, repeated_block
 from ..enumerate import StrategyTable
 from ..hardware import HardwareProfile
@@ -353,6 +355,15 @@ class CostGraph:
         if self.precision is not None and dtype.is_floating_point:
             return self.precision.master.itemsize
         return dtype.itemsize
+
+    def as_run(self, c: CommAction) -> CommAction:
+        """A strategy's collective as the runtime runs it: a parameter-gradient all-reduce (``bucketed``)
+        is, under mixed precision, sized and priced in the reduce dtype; anything else as it is."""
+        if self.precision is None or not c.bucketed or self.precision.reduce_ratio == 1.0:
+            return c
+        nbytes = int(round(c.nbytes * self.precision.reduce_ratio))
+        return dataclasses.replace(c, nbytes=nbytes,
+                                   cost=collective_cost(c.kind, nbytes, c.axes, self.mesh.shape, self.hardware))
 
     def reduced_grad_bytes(self, placeholder: str, stored_bytes: float) -> int:
         """Bytes of a parameter's gradient all-reduce, given its stored gradient's bytes: the same,

@@ -228,7 +228,7 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
                 if (member, j) in gathers.uses:             # summed by its group's reduce-scatter
                     continue
                 if a.bucketed and operand not in reduction.bucketed:
-                    inline += a.cost
+                    inline += cg.as_run(a).cost
                 elif not a.bucketed and (member, j) in reduction.deferred:
                     deferred += a.cost
     return GradientSync([g for _, g in synced], inline, deferred, clock)

@@ -123,7 +123,7 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
             else:
                 resharded[a, b] = carries_grad and src != dst
     consumer = cg.nodes[e.dst]
-    inline = np.array([sum(c.cost for c in consumer.member_strategy(e.dst_member, k).comm
+    inline = np.array([sum(cg.as_run(c).cost for c in consumer.member_strategy(e.dst_member, k).comm
                            if c.phase == BWD and c.bucketed and c.operand == f"in{e.operand}")
                        for k in range(len(e.dst_index))])
     return ParamEdgePrice(seconds, gather_axes, held, resharded, inline, blocks)
