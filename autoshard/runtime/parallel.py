@@ -146,6 +146,8 @@ class ParallelModule(nn.Module):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
                             f"{'x'.join(map(str, device_mesh.shape))}; plan for this mesh or build the mesh "
                             f"with autoshard.init_mesh({tuple(plan.mesh_shape)})")
+        if plan.mixed_precision is not None:
+            _check_master_dtype(model, plan)
         self.plan = plan
         self.device_mesh = device_mesh
         self.input_mode = input_mode
@@ -522,6 +524,18 @@ def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, 
     if model.training == plan.training:
         return capture_meta(model, args, kwargs, name=plan.model_name)
     return capture_in_mode(model, args, kwargs, plan.training, name=plan.model_name)
+
+
+def _check_master_dtype(model: nn.Module, plan: Plan) -> None:
+    """A mixed-precision plan keeps the model's parameters as master weights: they must be in the
+    master dtype the plan was made with (PlanMismatchError otherwise)."""
+    mp = plan.mixed_precision
+    assert mp is not None
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    if found and found != [mp.master_dtype]:
+        raise PlanMismatchError(f"the plan keeps {mp.master_dtype} master weights ({mp}), but the model's parameters "
+                                f"are {', '.join(found)}; pass the model in {mp.master_dtype} (e.g. model.float()), "
+                                f"as it was planned")
 
 
 def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, bucket_bytes: Any, replicas: Any,

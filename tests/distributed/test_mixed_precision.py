@@ -183,3 +183,21 @@ def _held_working_copies(pmodel, kwargs) -> int:
     for p in pmodel.parameters():
         p.grad = None
     return sum(seen.values())
+
+
+def test_output_dtype_and_master_dtype_check():
+    """``output_dtype`` casts floating outputs; a model whose parameters are not in the plan's master
+    dtype is refused, naming both dtypes."""
+    from autoshard.plans import PlanMismatchError
+
+    model, args, kwargs = _model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float16)
+    box = [None]
+    if dist.get_rank() == 0:
+        box = [autoshard.plan(model, args, kwargs, mesh=MESH, mp_policy=policy, baseline="data_parallel").to_dict()]
+    dist.broadcast_object_list(box, 0)
+    plan = Plan.from_dict(box[0])
+    out = autoshard.parallelize(copy.deepcopy(model), plan, device_mesh(MESH))(**kwargs)
+    assert out.logits.dtype == torch.float16 and out.loss.dtype == torch.float16
+    with pytest.raises(PlanMismatchError, match="float32 master weights.*bfloat16"):
+        autoshard.parallelize(copy.deepcopy(model).to(torch.bfloat16), plan, device_mesh(MESH))
