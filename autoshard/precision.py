@@ -15,6 +15,7 @@ A plan made with ``mp_policy`` prices and runs the model as FSDP2 does under tha
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -58,8 +59,11 @@ class MixedPrecision:
         """From ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or a :class:`MixedPrecision`);
         :class:`ArgumentError` naming what to change for anything else."""
         if isinstance(policy, MixedPrecision):
-            policy.check()
-            return policy
+            try:
+                policy.check()
+            except ValueError as e:
+                raise ArgumentError(f"mp_policy: {e}") from None
+            return dataclasses.replace(policy, master_dtype=_name(master_dtype))    # the model's, always
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy
         except ImportError:  # pragma: no cover - torch without FSDP2

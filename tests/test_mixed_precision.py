@@ -164,3 +164,11 @@ def test_llama7b_2x4_bf16_plans_in_seconds_with_the_accounting():
     assert n / 8 <= local < n                         # sharded: at most what one device would hold
     assert 0 < mem["param_copies"] <= 2 * n           # the bf16 copies its consumers hold
     assert mem["peak"] <= 80 * 2**30
+
+
+def test_autoshard_policy_object_accepted_and_checked():
+    model, x = _mlp()
+    plan = autoshard.plan(model, (x,), mesh=1, mp_policy=MixedPrecision("bfloat16", "float32"))
+    assert plan.mixed_precision == MixedPrecision("bfloat16", "float32", "float32")
+    with pytest.raises(ArgumentError, match="param_dtype"):
+        autoshard.plan(model, (x,), mesh=1, mp_policy=MixedPrecision("int8", "float32"))
