@@ -145,13 +145,14 @@ def _enumerate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Plan a model (with progress on stderr), print the explanation, optionally save the plan."""
-    from .api import plan
+    from .api import DEFAULT_GAP, plan
 
     _preflight(args)
     options = dict(mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
                    optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
                    merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
-                   time_limit=args.time_limit, gap_rel=args.gap, progress=True, name=args.model,
+                   time_limit=args.time_limit, gap_rel=DEFAULT_GAP if args.gap is None else args.gap,
+                   progress=True, name=args.model,
                    check_batch=not args.allow_indivisible_batch, outputs=args.outputs)
     if args.mp is not None:      # plan() captures the model itself, with its parameters in the working dtype
         from .models import build_model
@@ -379,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer state bytes per parameter element (AdamW fp32: 8)")
     pl.add_argument("--solver", choices=["highs", "cbc"], default="highs", help="ILP solver (PuLP backend)")
     pl.add_argument("--time-limit", type=_seconds, default=60.0, help="ILP time limit in seconds")
-    pl.add_argument("--gap", type=_gap, default=0.0, help="relative optimality gap the ILP may stop at")
+    pl.add_argument("--gap", type=_gap, default=None,
+                    help="relative optimality gap the ILP may stop at (default: autoshard.api.DEFAULT_GAP, 2%%; "
+                         "0 proves the optimum)")
     pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
     pl.add_argument("--fallback", choices=["error", "replicate"], default="error", help=_FALLBACK_HELP)

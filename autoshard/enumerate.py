@@ -138,7 +138,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
                 f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
                 f"replicated (it will be reported).")
         is_fallback = True
-    op = OpInfo(node, graph, mesh, free=bool(handler and handler.free))
+    op = OpInfo(node, graph, mesh, free=bool(handler and handler.free),
+                grad_copies=bool(handler and handler.grad_copies))
     key = op.signature()
     if cache is not None and key in cache:
         strategies = cache[key]

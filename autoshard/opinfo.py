@@ -56,11 +56,13 @@ def tensor_operand_nodes(node: fx.Node) -> list[fx.Node]:
 class OpInfo:
     """A node as a handler sees it."""
 
-    def __init__(self, node: fx.Node, graph: "CapturedGraph", mesh: MeshSpec, *, free: bool = False):
+    def __init__(self, node: fx.Node, graph: "CapturedGraph", mesh: MeshSpec, *, free: bool = False,
+                 grad_copies: bool = False):
         self.node = node
         self.graph = graph
         self.mesh = mesh
         self.free = free
+        self.grad_copies = grad_copies     # a free view whose backward writes its input's whole gradient
         self.operand_nodes: list[fx.Node] = []
         self.operands: list["TensorMeta"] = []
         for n in tensor_operand_nodes(node):

@@ -311,11 +311,17 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
     backward. Otherwise (an unmeasured profile or dtype, or no family given) the roofline:
     ``max(flops / peak FLOP/s, bytes / memory bandwidth)``, backward bytes counted once per operand
     that needs a gradient.
+
+    A free op (a view) costs nothing, except the backward of a view whose gradient autograd builds
+    whole (``op.grad_copies``: split's is a cat, slice's zeros plus a copy, expand's a sum), priced
+    as the forward of a memory-bound op over the view's input and output bytes.
     """
     from .hardware import COMPUTE_FAMILIES
 
     if op.free:
-        return 0.0
+        if phase == FWD or not op.grad_copies or op.n_grad_operands == 0:
+            return 0.0
+        phase = FWD       # one memory-bound pass over the bytes, as a pointwise op's forward
     for curve in _CURVES_OF_FAMILY.get(family, ("pointwise",)) if family is not None else ():
         work = profile.fwd_flops / split if COMPUTE_FAMILIES[curve] == "FLOPs" else io_bytes
         measured = hw.op_seconds(curve, work, phase, op.compute_dtype)

@@ -398,3 +398,33 @@ def test_a_profile_without_a_conv_curve_prices_convolutions_on_its_matmul_curve(
     hw = linear_in_work([f for f in COMPUTE_FAMILIES if f != "conv"])
     (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
     assert strategy.compute_fwd == pytest.approx(RATE["matmul"] * op_work("conv", op), rel=1e-9)
+
+
+def _view_node(fn, args, target):
+    graph = capture(_Call(fn), tuple(args))
+    (node,) = [n for n in graph.graph.nodes if n.target == target]
+    return graph, node
+
+
+@pytest.mark.parametrize("fn, target, io", [
+    (lambda x: x.split(16, dim=1)[0] * 2, torch.ops.aten.split.Tensor, (64 * 32 + 64 * 32) * 4),
+    (lambda x: x[:, 8:24] * 2, torch.ops.aten.slice.Tensor, (64 * 32 + 64 * 16) * 4),
+    (lambda x: x.unsqueeze(0).expand(3, 64, 32) * 2, torch.ops.aten.expand.default, (64 * 32 + 3 * 64 * 32) * 4),
+])
+def test_views_whose_gradient_autograd_builds_whole_pay_one_memory_pass_in_backward(fn, target, io):
+    """A view's forward is free; where its backward writes a whole gradient of its input (split's
+    cat, slice's zeros and copy, expand's sum), that pass is priced as a pointwise op over the view's
+    input and output bytes. A plain reshape stays free both ways."""
+    hw = linear_in_work()
+    x = torch.randn(64, 32, requires_grad=True)
+    graph, node = _view_node(fn, (x,), target)
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    assert rep.compute_fwd == 0.0
+    assert rep.compute_bwd == pytest.approx(RATE["pointwise"] * io, rel=1e-9)
+    # no gradient to build where the input needs none
+    graph, node = _view_node(fn, (x.detach(),), target)
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    assert rep.compute_bwd == 0.0
+    graph, node = _view_node(lambda x: x.reshape(32, 64) * 2, (x,), torch.ops.aten.reshape.default)
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    assert rep.compute_fwd == rep.compute_bwd == 0.0

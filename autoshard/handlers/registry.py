@@ -51,6 +51,9 @@ class Handler:
     rules: Rules
     namer: Namer = default_name
     free: bool = False              # no compute cost (views, metadata, asserts)
+    # A free view whose backward still writes a whole gradient of its input (a cat for split, zeros
+    # plus a copy for slice, a sum for expand): its backward is priced as a memory-bound op.
+    grad_copies: bool = False
     replicate_only: bool = False    # explicitly replicate-only (cheap mask-building ops)
     doc: str = ""
     kernel: KernelFn = default_kernel
@@ -60,12 +63,13 @@ REGISTRY: dict[Any, Handler] = {}
 
 
 def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
-             replicate_only: bool = False, doc: str = "", kernel: KernelFn = default_kernel
-             ) -> Callable[[Rules], Rules]:
+             grad_copies: bool = False, replicate_only: bool = False, doc: str = "",
+             kernel: KernelFn = default_kernel) -> Callable[[Rules], Rules]:
     """Decorator: register ``rules`` for every op in ``targets``."""
 
     def deco(rules: Rules) -> Rules:
-        h = Handler(family=family, rules=rules, namer=namer, free=free, replicate_only=replicate_only,
+        h = Handler(family=family, rules=rules, namer=namer, free=free, grad_copies=grad_copies,
+                    replicate_only=replicate_only,
                     doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel)
         for t in targets:
             if t in REGISTRY:

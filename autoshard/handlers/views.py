@@ -225,7 +225,7 @@ def expand_options(in_shape: Sequence[int], out_shape: Sequence[int], n_inputs: 
     return options
 
 
-@register(aten.expand.default, family="view", free=True,
+@register(aten.expand.default, family="view", free=True, grad_copies=True,
           kernel=sized_kernel(1, lambda op, s: local_out_shape(op, s)),
           doc="expand: kept dims follow the input; broadcast dims may be sharded from a replicated input")
 def expand_rules(op: OpInfo) -> list[AxisOption]:
@@ -233,7 +233,7 @@ def expand_rules(op: OpInfo) -> list[AxisOption]:
     return expand_options(op.shape(0), op.out_shape, 1)
 
 
-@register(aten.expand_as.default, family="view", free=True,
+@register(aten.expand_as.default, family="view", free=True, grad_copies=True,
           doc="expand_as(x, other): as expand; other (shape only) is laid out like the output")
 def expand_as_rules(op: OpInfo) -> list[AxisOption]:
     return expand_options(op.shape(0), op.out_shape, 2, other=1)
@@ -306,7 +306,8 @@ def _slice_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
     return default_kernel(op, strategy)
 
 
-@register(aten.slice.Tensor, aten.narrow.default, family="view", free=True, kernel=_slice_kernel,
+@register(aten.slice.Tensor, aten.narrow.default, family="view", free=True, grad_copies=True,
+          kernel=_slice_kernel,
           doc="slice/narrow: the sliced dim stays replicated unless the slice keeps all of it")
 def slice_rules(op: OpInfo) -> list[AxisOption]:
     """slice(x, dim, start, end, step) / narrow(x, dim, start, length)"""
@@ -316,7 +317,8 @@ def slice_rules(op: OpInfo) -> list[AxisOption]:
     return pair_options([(d, d) for d in keep if op.shape(0)[d] > 1])
 
 
-@register(aten.select.int, family="view", free=True, doc="select: the selected dim stays replicated")
+@register(aten.select.int, family="view", free=True, grad_copies=True,
+          doc="select: the selected dim stays replicated")
 def select_rules(op: OpInfo) -> list[AxisOption]:
     """select(x, dim, index)"""
     ndim = len(op.shape(0))
@@ -514,7 +516,8 @@ def index_rules(op: OpInfo) -> list[AxisOption]:
 # -- split / cat ---------------------------------------------------------------------------------
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, family="view",
-          free=True, doc="split/chunk: the split dim stays replicated; every piece follows the input")
+          free=True, grad_copies=True,
+          doc="split/chunk: the split dim stays replicated; every piece follows the input")
 def split_rules(op: OpInfo) -> list[AxisOption]:
     """split(x, size|sizes, dim) / chunk(x, chunks, dim) -> pieces"""
     ndim = len(op.shape(0))
@@ -522,7 +525,7 @@ def split_rules(op: OpInfo) -> list[AxisOption]:
     return pair_options(_other_dims(ndim, dim), n_outputs=len(op.outputs))
 
 
-@register(aten.unbind.int, family="view", free=True,
+@register(aten.unbind.int, family="view", free=True, grad_copies=True,
           doc="unbind: the unbound dim stays replicated; others follow the input")
 def unbind_rules(op: OpInfo) -> list[AxisOption]:
     ndim = len(op.shape(0))

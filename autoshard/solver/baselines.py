@@ -459,12 +459,14 @@ def _keep(options: SolverOptions) -> SolverOptions:
 
 
 def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),
-                   **kwargs) -> BaselineResult:
+                   name_minimum: bool = True, **kwargs) -> BaselineResult:
     """The best plan of baseline family ``name`` under ``options`` (memory decisions fixed to
     ``keep``). Raises :class:`~autoshard.errors.InfeasibleBudgetError` when no plan of the
-    family fits the budget (use :func:`baseline_minimum_budget` for the smallest that does)."""
+    family fits the budget, naming the smallest budget that does unless ``name_minimum=False``
+    (see also :func:`baseline_minimum_budget`)."""
     r = restriction(cg, name, **kwargs)
-    return BaselineResult(solve(cg, _keep(options), allowed=r.allowed, reshard=r.reshard), r.notes, r.allowed)
+    return BaselineResult(solve(cg, _keep(options), allowed=r.allowed, reshard=r.reshard, name_minimum=name_minimum),
+                          r.notes, r.allowed)
 
 
 def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions = SolverOptions()) -> Solution:
@@ -477,7 +479,7 @@ def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions
     best, family = solution, None
     for name in BASELINES:
         try:
-            candidate = solve_baseline(cg, name, options).solution
+            candidate = solve_baseline(cg, name, options, name_minimum=False).solution
         except InfeasibleBudgetError:
             continue
         if candidate.time.total < best.time.total * (1 - 1e-9):

@@ -133,7 +133,8 @@ def _pulp_solver(options: SolverOptions, msg: bool = False):
 
 
 def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
-          allowed: dict[str, Iterable[int]] | None = None, reshard: Reshard = True) -> Solution:
+          allowed: dict[str, Iterable[int]] | None = None, reshard: Reshard = True,
+          name_minimum: bool = True) -> Solution:
     """Solve the joint strategy + memory ILP; raises InfeasibleBudgetError with the minimum budget.
 
     ``allowed`` restricts CGNodes to some strategy indices (how baseline plans are expressed:
@@ -142,7 +143,8 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
     edges (except into the graph's outputs) weigh ``RESHARD_PENALTY`` times its time, so that
     every op reads its operands as produced wherever any plan allows it (the reported objective
     and times are the plain model's); a set of CGNode names exempts the edges out of those
-    nodes (see :data:`Reshard`).
+    nodes (see :data:`Reshard`). ``name_minimum=False`` raises the budget error
+    without solving again for the smallest feasible budget (for callers that only skip the plan).
     """
     margin = 0.0
     while True:
@@ -155,7 +157,9 @@ def solve(cg: CostGraph, options: SolverOptions = SolverOptions(),
         status = _status(m.prob)
         if status not in ("optimal", "feasible"):
             if options.memory_budget is not None and status == "infeasible":
-                raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed, reshard))
+                raise InfeasibleBudgetError(_infeasible_message(cg, options, allowed, reshard) if name_minimum else
+                                            f"no plan fits the memory budget of "
+                                            f"{format_bytes(options.memory_budget)} per device")
             raise RuntimeError(f"the ILP solver returned status {status!r} (solver {options.solver}); "
                                "try a longer time_limit or solver='cbc'")
         solution = _readout(m, handles, status, build, solve_s)
