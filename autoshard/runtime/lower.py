@@ -111,6 +111,7 @@ class _Lowering:
         self.output_specs: list[ShardSpec | None] = []
         self.mp = plan.mixed_precision
         self.cast: dict[str, fx.Node] = {}     # parameter -> its working copy (mixed precision)
+        self.cast_before = self._cast_points() if self.mp is not None else {}
 
     # -- driver ----------------------------------------------------------------------------------
 
@@ -122,6 +123,8 @@ class _Lowering:
             elif node.op == "call_function":
                 for group in self.gather_before.get(node.name, ()):   # outside any memory region
                     self._gather_params(group)
+                for param in self.cast_before.get(node.name, ()):     # likewise
+                    self._working_copy(param)
                 last = self.out._root.prev            # the graph's last node before this one's
                 self._call(node)
                 self._annotate_memory(node, last)
@@ -272,8 +275,8 @@ class _Lowering:
 
     def _working_copy(self, name: str) -> fx.Node:
         """The value an op reads for graph node ``name``: under mixed precision a floating-point
-        parameter is cast to the working dtype at its first use (one copy shared by its uses; the
-        gradient flows back into the master in the master's dtype), anything else as it is."""
+        parameter's working copy (cast at its point, :meth:`_cast_points`; one copy shared by its
+        uses; the gradient flows back into the master in the master's dtype), anything else as it is."""
         value = self.env[name]
         if self.mp is None or name not in self.graph.param_fqn or not self.graph.tensor_meta(name).dtype.is_floating_point:
             return value
@@ -364,6 +367,31 @@ class _Lowering:
             if at in self.region_of:
                 at = region_start[self.region_of[at][0]]
             points.setdefault(at, []).append(group)
+        return points
+
+    def _cast_points(self) -> dict[str, list[str]]:
+        """Graph node -> the parameters to cast to the working dtype just before it (mixed
+        precision): before the first use that does not read the parameter gathered or, where that
+        use is inside a memory region, before the region's first node, as for gathers. The copy is
+        then held for the step, as the plan counts it, and never cast again in backward."""
+        region_start: dict[object, str] = {}
+        order = {}
+        for i, node in enumerate(self.graph.graph.nodes):
+            order[node.name] = i
+            if node.name in self.region_of:
+                region_start.setdefault(self.region_of[node.name][0], node.name)
+        points: dict[str, list[str]] = {}
+        for node in self.graph.graph.nodes:
+            if node.name not in self.graph.param_fqn or not self.graph.tensor_meta(node.name).dtype.is_floating_point:
+                continue
+            uses = [u for u in node.users if u.op == "call_function" and any(
+                n == node.name and (u.name, j) not in self.gathers.uses for j, n in enumerate(self._operand_names(u)))]
+            if not uses:
+                continue
+            at = min(uses, key=lambda u: order[u.name]).name
+            if at in self.region_of:
+                at = region_start[self.region_of[at][0]]
+            points.setdefault(at, []).append(node.name)
         return points
 
     def _gather_params(self, group) -> None:

@@ -24,8 +24,10 @@ not a bias, not an embedding table: the op's profile says which) the copy is hel
 and ``held`` prices it (bytes per device), as static memory. A parameter read twice in one block
 is counted per read (the runtime gathers it once): an over-count on the safe side. Under mixed
 precision every read is a copy, the parameter cast to the working dtype (the low-precision working
-copy), held likewise when the consumer saves it; a cast that is not saved (an embedding table's, or
-a gathered parameter's shard before its all-gather) is transient and not counted.
+copy), held likewise when the consumer saves it (the runtime casts it before the first use, outside
+any memory region, so a recomputed segment does not free it); a cast that is not saved (an
+embedding table's, or a gathered parameter's shard before its all-gather) is transient and not
+counted.
 
 One description, used by the ILP's terms and by :func:`~.ilp.predict` / :func:`~.ilp.objective_of`
 to evaluate an assignment exactly as the ILP does.

@@ -4,9 +4,11 @@ tolerance, and holds the memory its plan predicts.
 
 Model: the tiny Llama preset (2 layers, hidden 32, vocab 128; batch 8, seq 16), AdamW (lr 3e-3),
 20 steps, policy ``param_dtype=bf16, reduce_dtype=fp32`` (bf16 runs on CPU). Plans: the solver's
-(h100-nvlink prices: for this toy model, everything replicated) and the hand families that exercise
+(h100-nvlink prices: for this toy model, everything replicated), the hand families that exercise
 each reduction path: data parallel (bucketed gradient all-reduce in the reduce dtype), ZeRO-3 (bf16
-all-gather per block, reduce-scatter in the reduce dtype) and Megatron (inline reductions). FSDP2 shards each
+all-gather per block, reduce-scatter in the reduce dtype) and Megatron (inline reductions), and the
+solver's plans under budgets that make it recompute, then offload, both layers (the working copies
+cast inside a checkpoint region are cast again when it is rebuilt). FSDP2 shards each
 decoder layer, then the root, on the 4 ranks; each rank feeds it its quarter of the batch (the
 mean of the ranks' losses is the loss of the whole batch: every row has the same token count).
 Tolerances (relative, worst step's loss): against FSDP2 ``FSDP_RTOL`` (both round to bf16 at every
@@ -38,7 +40,10 @@ STEPS = 20
 LR = 3e-3
 FSDP_RTOL = 2e-3        # bf16 both sides, different op orders and splits
 FP32_RTOL = 1e-2        # bf16 against fp32
-PLANS = ["solved", "data_parallel", "zero3", "megatron"]
+PLANS = {"solved": {}, "data_parallel": {"baseline": "data_parallel"}, "zero3": {"baseline": "zero3"},
+         "megatron": {"baseline": "megatron"},
+         "recompute": {"memory_budget": "900KiB"},       # both layers recomputed in backward
+         "offload": {"memory_budget": "700KiB"}}         # both layers' activations offloaded
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 MESH = (2, 2)
 
@@ -100,11 +105,13 @@ def fp32_losses():
     return _train(model, kwargs)[0]
 
 
-@pytest.fixture(scope="module", params=PLANS)
+@pytest.fixture(scope="module", params=list(PLANS))
 def trained(request):
     """autoshard's run under the plan (losses, parallel model, optimizer), with the plan."""
     model, args, kwargs = _model()
-    plan = _plan(model, args, kwargs, baseline=None if request.param == "solved" else request.param)
+    plan = _plan(model, args, kwargs, **PLANS[request.param])
+    expected = {"recompute": "recompute", "offload": "offload"}.get(request.param)
+    assert expected is None or set(plan.segments.values()) == {expected}, plan.segments
     pmodel = autoshard.parallelize(copy.deepcopy(model), plan, device_mesh(MESH))
     losses, opt = _train(pmodel, kwargs, counter=pmodel.comm.counter)
     return model, kwargs, plan, pmodel, losses, opt
