@@ -172,3 +172,12 @@ def test_autoshard_policy_object_accepted_and_checked():
     assert plan.mixed_precision == MixedPrecision("bfloat16", "float32", "float32")
     with pytest.raises(ArgumentError, match="param_dtype"):
         autoshard.plan(model, (x,), mesh=1, mp_policy=MixedPrecision("int8", "float32"))
+
+
+def test_other_mode_planned_under_the_same_policy():
+    from autoshard.models import build_model
+
+    model, args, kwargs = build_model("gpt2-tiny", device="meta", batch=4, dropout=0.1)
+    plan = autoshard.plan(model, args, kwargs, mesh=1, mp_policy=BF16, other_mode=True)
+    assert plan.other_mode is not None and plan.other_mode.mixed_precision == plan.mixed_precision
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).other_mode.mixed_precision == plan.mixed_precision
