@@ -22,6 +22,7 @@ from .mesh import MeshError, MeshSpec
 from .errors import ArgumentError, BudgetError
 from .meta_capture import capture_meta
 from .plans import Plan
+from .precision import MixedPrecision, cast_inputs, master_dtype_of, precision_copy
 from .plans.build import plan_from_solution
 from .progress import Progress
 from .solver.costgraph import build_cost_graph
@@ -46,7 +47,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = DEFAULT_GAP, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global", other_mode: bool = False) -> Plan:
+         outputs: str = "global", other_mode: bool = False, mp_policy: Any = None) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -73,7 +74,12 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     ``plan.other_mode`` (see :mod:`autoshard.modes`). Off by default: it costs a second capture
     (about doubling planning time for a Hugging Face model), and the parallelized model derives the
     same plan (nothing is solved) at its first ``.eval()`` when the plan lacks it. Skipped when both
-    modes capture the same graph.
+    modes capture the same graph. ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``
+    (``param_dtype`` required) to plan and run the model in mixed precision as FSDP2 does: the graph
+    is captured with the parameters in ``param_dtype`` and priced at that dtype's rates; memory counts
+    the master parameters (the model's dtype), their gradients, the optimizer state per master
+    element and the working copies the consumers hold; gradients are reduced in ``reduce_dtype``
+    (see :mod:`autoshard.precision`; recorded in ``plan.mixed_precision``). Needs an ``nn.Module``.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
     ``fallback``, ``outputs`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
@@ -105,6 +111,10 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     if not isinstance(model_or_graph, (nn.Module, CapturedGraph)):
         raise ArgumentError(f"plan needs an nn.Module or a CapturedGraph, got {type(model_or_graph).__name__}; "
                             f"pass the model, then its example inputs")
+    precision = _precision(mp_policy, model_or_graph)
+    if precision is not None:      # captured from a meta copy with parameters (and float inputs) in param_dtype
+        model_or_graph = precision_copy(model_or_graph, precision)
+        args, kwargs = cast_inputs(args, kwargs, precision)
     inputs = _input_tensors(model_or_graph, args, kwargs)
     _check_inputs(inputs)
     if check_batch:
@@ -120,7 +130,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     with stages.stage(f"enumerating strategies on mesh {mesh_spec}", "enumerate_s"):
         table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs)
     with stages.stage("building the cost graph", "costgraph_s"):
-        cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks)
+        cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks, precision=precision)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
     with stages.stage(f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)", "solve_wall_s"), \
             _stdout_to_stderr():
@@ -143,6 +153,17 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
 
 
 # -- validation ----------------------------------------------------------------------------------------
+
+def _precision(mp_policy: Any, model_or_graph: Any) -> MixedPrecision | None:
+    """The plan's mixed-precision policy from ``mp_policy`` (None: none); ArgumentError for a policy
+    autoshard cannot run or a captured graph (whose master dtype it cannot know)."""
+    if mp_policy is None:
+        return None
+    if not isinstance(model_or_graph, nn.Module):
+        raise ArgumentError("mp_policy needs the nn.Module (autoshard captures it with its parameters in "
+                            "param_dtype), not a CapturedGraph; pass the model")
+    return MixedPrecision.of(mp_policy, master_dtype_of(model_or_graph))
+
 
 def _mesh(mesh: Any) -> MeshSpec:
     """A MeshSpec from any accepted form; MeshError (with the accepted forms) otherwise."""

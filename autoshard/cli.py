@@ -74,6 +74,18 @@ def _graph(args: argparse.Namespace):
                               num_layers=getattr(args, "layers", None), before_capture=before_capture)
 
 
+_MP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _mp_policy(param: str, reduce: str):
+    """FSDP2's MixedPrecisionPolicy of ``--mp`` / ``--mp-reduce``."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, _MP_DTYPES[param]),
+                                reduce_dtype=getattr(torch, _MP_DTYPES[reduce]))
+
+
 def _check_factory_batch(args: argparse.Namespace, model_args: tuple, model_kwargs: dict) -> None:
     """For ``plan``, the planner's batch check on the example inputs a preset or factory built,
     before the capture (a model file's batch is known only once its factory has run)."""
@@ -136,16 +148,25 @@ def _plan(args: argparse.Namespace) -> int:
     from .api import DEFAULT_GAP, plan
 
     _preflight(args)
-    t0 = time.perf_counter()
-    graph = _graph(args)
-    capture_s = time.perf_counter() - t0
-    result = plan(graph, mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
-                  optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
-                  merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
-                  time_limit=args.time_limit,
-                  gap_rel=DEFAULT_GAP if args.gap is None else args.gap, progress=True, name=args.model,
-                  check_batch=not args.allow_indivisible_batch, outputs=args.outputs)
-    result.timings["capture_s"] = capture_s      # captured above (folded), before plan() ran
+    options = dict(mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
+                   optimizer_bytes_per_param=args.optimizer_bytes, fallback=args.fallback,
+                   merge_followers=not args.no_merge, alias_blocks=not args.no_alias, solver=args.solver,
+                   time_limit=args.time_limit, gap_rel=DEFAULT_GAP if args.gap is None else args.gap,
+                   progress=True, name=args.model,
+                   check_batch=not args.allow_indivisible_batch, outputs=args.outputs)
+    if args.mp is not None:      # plan() captures the model itself, with its parameters in the working dtype
+        from .models import build_model
+
+        built = build_model(args.model, device="meta", batch=args.batch, seq=args.seq,
+                            **({"num_layers": args.layers} if getattr(args, "layers", None) else {}))
+        model, model_args, model_kwargs = built
+        result = plan(model, model_args, model_kwargs, mp_policy=_mp_policy(args.mp, args.mp_reduce), **options)
+    else:
+        t0 = time.perf_counter()
+        graph = _graph(args)
+        capture_s = time.perf_counter() - t0
+        result = plan(graph, **options)
+        result.timings["capture_s"] = capture_s      # captured above (folded), before plan() ran
     _print_plan(result, full=args.full, plain=args.plain)
     if args.out:
         result.save(args.out)
@@ -368,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--outputs", choices=list(OUTPUT_MODES), default="global",
                     help="how the parallelized model returns its outputs: global (whole on every rank) or "
                          "local (tensors of rank >= 1 as each rank's shard, no collective; 0-dim ones global)")
+    pl.add_argument("--mp", choices=["bf16", "fp16"], default=None,
+                    help="mixed precision as FSDP2's MixedPrecisionPolicy: parameters cast to this dtype for "
+                         "compute (the model's fp32 parameters are the master weights); default: none")
+    pl.add_argument("--mp-reduce", choices=list(_MP_DTYPES), default="fp32",
+                    help="with --mp: the dtype parameter gradients are reduced in (default fp32)")
     explain_args(pl)
     pl.add_argument("--allow-indivisible-batch", action="store_true",
                     help="plan even if the mesh size does not divide the batch (e.g. pure tensor parallelism)")

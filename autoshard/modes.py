@@ -55,7 +55,7 @@ def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
                             f"as the training plan does ({main.outputs[0]}); the runtime keeps one layout per "
                             f"parameter, so {mode} mode cannot run with this plan. Re-plan with the model in "
                             f"{mode} mode (model.{'eval' if plan.training else 'train'}()) for {mode} use")
-    cg = build_cost_graph(table, merge_followers=False, alias_blocks=False)
+    cg = build_cost_graph(table, merge_followers=False, alias_blocks=False, precision=plan.mixed_precision)
     options = SolverOptions(memory_budget=plan.memory_budget,
                             optimizer_bytes_per_param=float(plan.solver_options.get("optimizer_bytes_per_param", 8.0)))
     solution = fixed_solution(cg, strategy_of, options)

@@ -77,6 +77,7 @@ def plan_from_solution(cg: CostGraph, solution: Solution, *, model_name: str, op
         recompute_runs=runs,
         outputs=cg.table.outputs,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        mixed_precision=cg.precision,
     )
 
 
@@ -109,6 +110,14 @@ def _strategy(cg: "CostGraph", name: str, choice: dict[str, int]) -> Strategy:
     return cg.table[name].strategies[choice[name]]
 
 
+def _stored(cg: "CostGraph", placeholder: str, nbytes: int) -> int:
+    """Bytes of a placeholder's parameter (or gradient) as stored: the master dtype's under mixed precision."""
+    meta = cg.graph.tensor_meta(placeholder)
+    if not nbytes or meta is None:
+        return int(nbytes)
+    return int(nbytes) // meta.dtype.itemsize * cg.stored_itemsize(placeholder)
+
+
 def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) -> NodePlan:
     graph = cg.graph
     ns = cg.table[name]
@@ -125,8 +134,9 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) 
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
         collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
-                                     float(c.cost), bool(c.bucketed)) for c in s.comm],
-        memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
+                                     float(c.cost), bool(c.bucketed)) for c in map(cg.as_run, s.comm)],
+        memory={"params": _stored(cg, name, m.params) if stores else 0,
+                "grads": _stored(cg, name, m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
         operands=list(ns.operand_nodes),
     )
@@ -289,22 +299,25 @@ def _gradient_buckets(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[
     buckets = []
     for param, axes in {**reduction.bucketed, **param_gathers(cg, solution.choice).leftover()}.items():
         host = cg.node_of[param]
-        buckets.append((axes, int(cg.nodes[host].costs.grads[solution.choice[host]])))
+        buckets.append((axes, cg.reduced_grad_bytes(param, cg.nodes[host].costs.grads[solution.choice[host]])))
     return reduction.deferred, buckets
 
 
 def _param_gathers(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]],
-                                                                   list[tuple[tuple[int, ...], int]]]:
+                                                                   list[tuple[tuple[int, ...], int, int]]]:
     """The (node, operand) pairs that read a parameter gathered with its block, and per gather
-    group its mesh axes and bytes per device (see :mod:`autoshard.param_gather`)."""
+    group its mesh axes, bytes per device and bytes of its gradients' reduce-scatter (in the reduce
+    dtype under mixed precision; see :mod:`autoshard.param_gather`)."""
     gathers = param_gathers(cg, solution.choice)
-    return gathers.uses, [(g.axes, gathered_bytes(cg.graph, g)) for g in gathers.groups]
+    ratio = cg.precision.reduce_ratio if cg.precision is not None else 1.0   # gradients in the reduce dtype
+    return gathers.uses, [(g.axes, gathered_bytes(cg.graph, g), int(round(gathered_bytes(cg.graph, g) * ratio)))
+                          for g in gathers.groups]
 
 
 def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recomputed: set[str],
                   gathers: list[tuple[str, list[int], int]],
                   grad_buckets: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]],
-                  param_gathers: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]
+                  param_gathers: tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int, int]]]
                   ) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
     resharding's collective steps, forward and backward, the gradient all-reduces left to the
@@ -351,9 +364,9 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
                         add(step.kind, [step.axis], RECOMPUTE, step.nbytes)
     for axes, nbytes in buckets:
         add("all_reduce", axes, BWD, nbytes)
-    for axes, nbytes in groups:
+    for axes, nbytes, grad_bytes in groups:
         add("all_gather", axes, FWD, nbytes)
-        add("reduce_scatter", axes, BWD, nbytes)
+        add("reduce_scatter", axes, BWD, grad_bytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), phase, n, count)

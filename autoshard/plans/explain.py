@@ -33,15 +33,21 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def _peak_formula(mem: dict[str, float]) -> str:
+def _peak_formula(mem: dict[str, float], mp: Any = None) -> str:
     """``params + grads + optimizer [+ gathered parameters] + max(activations, worst rebuild)``, as
     the peak is modeled (gathered parameters: copies read larger than stored, held to backward):
     the activations held at the end of forward, or, if higher, those live when the worst segment
     is rebuilt in backward (only the segments before it still hold theirs); plus the ILP's
     position-free bound when a segment is rebuilt (see :class:`~autoshard.solver.results.MemoryPrediction`)."""
-    static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
-    if mem.get("param_copies"):
-        static += f" + gathered parameters {format_bytes(mem['param_copies'])}"
+    if mp is None:
+        static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
+        if mem.get("param_copies"):
+            static += f" + gathered parameters {format_bytes(mem['param_copies'])}"
+    else:      # mixed precision: name each part with its dtype
+        static = (f"{mp.master_dtype} master params {format_bytes(mem.get('params', 0.0))} + "
+                  f"{mp.master_dtype} grads {format_bytes(mem.get('grads', 0.0))} + "
+                  f"optimizer {format_bytes(mem.get('optimizer', 0.0))} + "
+                  f"{mp.param_dtype} working copies {format_bytes(mem.get('param_copies', 0.0))}")
     held = f"{static} + activations {format_bytes(mem.get('activations', 0.0))}"
     if not mem.get("working_set"):
         return held
@@ -63,7 +69,8 @@ def summary_lines(plan: Plan) -> list[str]:
         f"{len(plan.nodes)} nodes)",
         f"mesh {plan.mesh} ({devices} devices), hardware {plan.hardware.get('name', '?')}, "
         f"memory budget {budget}, outputs returned {_OUTPUTS_TEXT[plan.outputs]}",
-        "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = " + _peak_formula(mem),
+        "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = "
+        + _peak_formula(mem, plan.mixed_precision),
         "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(
             f"{k} {_fmt_time(t.get(k, 0.0))}" for k in _TIME_PARTS),
         _comm_line(plan),
@@ -76,6 +83,10 @@ def summary_lines(plan: Plan) -> list[str]:
     ]
     if s.note:
         lines.append(f"plan picked: {s.note}")
+    if plan.mixed_precision is not None:
+        lines.append(f"mixed precision: {plan.mixed_precision} (working copies: parameters cast to "
+                     f"{plan.mixed_precision.param_dtype} and held by their consumers until backward, gathered "
+                     f"ones whole)")
     mode, other = ("training", "eval") if plan.training else ("eval", "training")
     lines.append(f"modes: planned in {mode} mode; " + (
         f"{other} mode planned too ({len(plan.other_mode.nodes)} nodes, parameters laid out alike)"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ..decisions import DECISIONS
 from ..enumerate import OUTPUT_MODES
 from ..hardware import HardwareError, HardwareProfile
+from ..precision import MixedPrecision
 from ..reshard import SPLIT, TO_PARTIAL
 from ..specs import ShardSpec, SpecError
 from .errors import REPLAN as _REPLAN
@@ -231,6 +232,12 @@ class Plan:
     outputs: str = "global"
     training: bool = True
     other_mode: "Plan | None" = None
+    mixed_precision: MixedPrecision | None = None
+
+    # ``mixed_precision``: the policy the plan was made under (``autoshard.plan(..., mp_policy=)``,
+    # see :mod:`autoshard.precision`): the graph was captured with parameters in its
+    # ``param_dtype`` and the runtime casts, reduces and keeps master weights as it says. None (and
+    # plans written before the field existed): the model runs in its own dtypes.
 
     # ``training``: the mode the model was captured in (its graph is ``nodes``); plans written before
     # the field existed read as training. ``other_mode``: the plan of the model's graph in the other
@@ -348,6 +355,11 @@ class Plan:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlanError(f"{source}: 'memory_budget' must be positive or null, got {self.memory_budget}. "
                             f"{_REPLAN}.")
+        if self.mixed_precision is not None:
+            try:
+                self.mixed_precision.check()
+            except ValueError as e:
+                raise PlanError(f"{source}: {e}. {_REPLAN}.") from None
         check_consistency(self, source)
         if self.other_mode is not None:
             self._validate_other_mode(source)
@@ -356,9 +368,10 @@ class Plan:
         other = self.other_mode
         assert other is not None
         where = f"{source}: its other-mode plan"
-        if other.training == self.training or other.other_mode is not None or other.mesh_shape != self.mesh_shape:
+        if other.training == self.training or other.other_mode is not None or other.mesh_shape != self.mesh_shape \
+                or other.mixed_precision != self.mixed_precision:
             raise PlanError(f"{where} must be for the other mode ({'eval' if self.training else 'training'}) on the "
-                            f"same mesh, with no other mode of its own. {_REPLAN}.")
+                            f"same mesh under the same mixed precision, with no other mode of its own. {_REPLAN}.")
         other._validate(where)
         try:
             check_layouts_agree(self, other)

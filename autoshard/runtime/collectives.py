@@ -220,10 +220,12 @@ class MeshComm(MeshCoordinates):
     # -- what generated code calls (``comm.reshard(x, ...)``; see the functions below) ----------
 
     def reshard(self, x: torch.Tensor, fwd: tuple[Move, ...], bwd: tuple[Move, ...],
-                parameter: bool = False) -> torch.Tensor:
+                parameter: bool = False, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``parameter``: ``x`` is a parameter shard; its resharded copy (e.g. all-gathered for a
-        consumer, as ZeRO-3 does) is flagged so that activation offload treats it as a parameter."""
-        out = reshard(x, self, fwd, bwd)
+        consumer, as ZeRO-3 does) is flagged so that activation offload treats it as a parameter.
+        ``grad_dtype``: the dtype the gradient's backward moves run in (mixed precision's reduce
+        dtype; the result is returned in ``x``'s dtype)."""
+        out = reshard(x, self, fwd, bwd, grad_dtype)
         if parameter:
             _flag_parameter(out)
         return out
@@ -231,18 +233,30 @@ class MeshComm(MeshCoordinates):
     def reduce_partial(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         return reduce_partial(x, self, axes)
 
-    def sync_grad(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        return sync_grad(x, self, axes)
+    def sync_grad(self, x: torch.Tensor, axes: tuple[int, ...], grad_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
+        return sync_grad(x, self, axes, grad_dtype)
+
+    def cast_param(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A parameter shard cast to the working dtype (mixed precision), flagged as a parameter
+        copy for activation offload; its gradient flows back to the master in the master's dtype."""
+        out = x.to(dtype)
+        if out is not x:
+            _flag_parameter(out)
+        return out
 
     def shard_input(self, x: torch.Tensor, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         return shard_input(x, self, dims)
 
-    def gather_params(self, axes: tuple[int, ...], dims: tuple[int, ...], *shards: torch.Tensor
+    def gather_params(self, axes: tuple[int, ...], dims: tuple[int, ...], *shards: torch.Tensor,
+                      param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                       ) -> tuple[torch.Tensor, ...]:
         """The whole parameters of a gather group (shard ``i`` split on dim ``dims[i]`` over
         ``axes``): one all-gather forward, one reduce-scatter of their gradients backward (which
-        arrive as partial sums over ``axes``); flagged as parameters for activation offload."""
-        whole = _GatherParams.apply(self, axes, dims, *shards)
+        arrive as partial sums over ``axes``); flagged as parameters for activation offload.
+        Mixed precision (as FSDP2): the shards are cast to ``param_dtype`` before the all-gather,
+        the gradients reduce-scattered in ``reduce_dtype`` and returned in the shards' dtype."""
+        whole = _GatherParams.apply(self, axes, dims, param_dtype, reduce_dtype, *shards)
         for t in whole:
             _flag_parameter(t)
         return whole
@@ -278,27 +292,31 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     """Identity forward; backward sums the gradient over ``axes`` (a replicated operand of a split
-    computation: each device holds a partial sum of its gradient)."""
+    computation: each device holds a partial sum of its gradient), in ``grad_dtype`` if given."""
 
     @staticmethod
-    def forward(ctx, x, comm: MeshComm, axes: tuple[int, ...]):  # type: ignore[override]
-        ctx.comm, ctx.axes = comm, axes
+    def forward(ctx, x, comm: MeshComm, axes: tuple[int, ...], grad_dtype: torch.dtype | None):  # type: ignore[override]
+        ctx.comm, ctx.axes, ctx.grad_dtype = comm, axes, grad_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return ctx.comm.raw_all_reduce(g.clone(), ctx.axes, phase=BWD), None, None
+        buf = g.to(ctx.grad_dtype, copy=True) if ctx.grad_dtype is not None else g.clone()
+        return ctx.comm.raw_all_reduce(buf, ctx.axes, phase=BWD).to(g.dtype), None, None, None
 
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...]):  # type: ignore[override]
-        ctx.comm, ctx.bwd = comm, bwd
+    def forward(ctx, x, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...],  # type: ignore[override]
+                grad_dtype: torch.dtype | None):
+        ctx.comm, ctx.bwd, ctx.grad_dtype = comm, bwd, grad_dtype
         return comm.run_moves(x.detach(), fwd, comm.phase)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return ctx.comm.run_moves(g, ctx.bwd, BWD), None, None, None
+        if ctx.grad_dtype is None:
+            return ctx.comm.run_moves(g, ctx.bwd, BWD), None, None, None, None
+        return ctx.comm.run_moves(g.to(ctx.grad_dtype), ctx.bwd, BWD).to(g.dtype), None, None, None, None
 
 
 class _GatherParams(torch.autograd.Function):
@@ -308,12 +326,16 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, comm: MeshComm, axes: tuple[int, ...], dims: tuple[int, ...],  # type: ignore[override]
+                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = math.prod(comm.mesh_shape[a] for a in axes)
         moved = [s.detach().movedim(d, 0) for s, d in zip(shards, dims)]
+        if param_dtype is not None:
+            moved = [m.to(param_dtype) for m in moved]
         ctx.comm, ctx.axes, ctx.dims, ctx.n = comm, axes, dims, n
         ctx.moved_shapes = [m.shape for m in moved]
         ctx.dtype, ctx.device = moved[0].dtype, moved[0].device
+        ctx.reduce_dtype, ctx.shard_dtypes = reduce_dtype, [s.dtype for s in shards]
         blocks = comm.gather_flat(torch.cat([m.reshape(-1) for m in moved]), axes, comm.phase).view(n, -1)
         out, start = [], 0
         for m, d in zip(moved, dims):
@@ -331,13 +353,16 @@ class _GatherParams(torch.autograd.Function):
                 pieces.append(torch.zeros((n, math.prod(shape)), dtype=ctx.dtype, device=ctx.device))
             else:
                 pieces.append(g.movedim(d, 0).reshape(n, -1))
-        mine = ctx.comm.reduce_scatter_flat(torch.cat(pieces, dim=1), ctx.axes, BWD)
+        flat = torch.cat(pieces, dim=1)
+        if ctx.reduce_dtype is not None:
+            flat = flat.to(ctx.reduce_dtype)
+        mine = ctx.comm.reduce_scatter_flat(flat, ctx.axes, BWD)
         out, start = [], 0
-        for shape, d in zip(ctx.moved_shapes, ctx.dims):
+        for shape, d, dtype in zip(ctx.moved_shapes, ctx.dims, ctx.shard_dtypes):
             k = math.prod(shape)
-            out.append(mine[start:start + k].view(shape).movedim(0, d))
+            out.append(mine[start:start + k].view(shape).movedim(0, d).to(dtype))
             start += k
-        return (None, None, None, *out)
+        return (None, None, None, None, None, *out)
 
 
 # -- the functions generated code calls ------------------------------------------------------------
@@ -349,16 +374,19 @@ def reduce_partial(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> to
     return _AllReduce.apply(x, comm, axes, "identity")
 
 
-def sync_grad(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient over ``axes`` backward."""
-    return _GradAllReduce.apply(x, comm, axes) if x.requires_grad else x
+def sync_grad(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...],
+              grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over ``axes`` backward (in ``grad_dtype`` if given)."""
+    return _GradAllReduce.apply(x, comm, axes, grad_dtype) if x.requires_grad else x
 
 
-def reshard(x: torch.Tensor, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...]) -> torch.Tensor:
-    """Move a local shard to another layout; its gradient takes the plan's backward moves."""
+def reshard(x: torch.Tensor, comm: MeshComm, fwd: tuple[Move, ...], bwd: tuple[Move, ...],
+            grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Move a local shard to another layout; its gradient takes the plan's backward moves (in
+    ``grad_dtype`` if given)."""
     if not x.requires_grad:
         return comm.run_moves(x, fwd, comm.phase)
-    return _Reshard.apply(x, comm, fwd, bwd)
+    return _Reshard.apply(x, comm, fwd, bwd, grad_dtype)
 
 
 def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:

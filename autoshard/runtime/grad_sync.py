@@ -7,7 +7,9 @@ order of first use, so buckets fill in the order backward produces gradients); a
 flattened and all-reduced asynchronously while backward goes on; at the end of backward every
 bucket is waited for and the summed gradient written back. Gradient accumulation over several
 backward passes is exact: the hook remembers what ``.grad`` held before this pass and the
-result is ``previous + reduced``, never ``previous`` reduced twice.
+result is ``previous + reduced``, never ``previous`` reduced twice. Under mixed precision
+(``reduce_dtype``) a bucket is all-reduced in that dtype and the sum written back in the
+gradient's own (the master's) dtype; buckets are sized in the reduce dtype, as planned.
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ class GradSync:
     """Installs the hooks on ``params`` (pairs of parameter and gradient all-reduce axes)."""
 
     def __init__(self, comm: MeshComm, params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None) -> None:
         self.comm = comm
-        self.buckets = _make_buckets(params, bucket_bytes)
+        self.reduce_dtype = reduce_dtype
+        self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed = False
         self.enabled = True
@@ -77,6 +80,8 @@ class GradSync:
     def _launch(self, b: _Bucket) -> None:
         b.order = [id(p) for p in b.params if id(p) in b.incoming]
         b.flat = torch.cat([b.incoming[i].reshape(-1) for i in b.order])
+        if self.reduce_dtype is not None and b.flat.is_floating_point():
+            b.flat = b.flat.to(self.reduce_dtype)
         self.comm.counter.add("all_reduce", b.axes, BWD, b.flat.numel() * b.flat.element_size())
         b.work = dist.all_reduce(b.flat, group=self.comm.group(b.axes), async_op=True)
 
@@ -94,14 +99,20 @@ class GradSync:
             for i in b.order:
                 p = params[i]
                 n = b.incoming[i].numel()
-                reduced = b.flat[offset:offset + n].view_as(b.incoming[i])
+                reduced = b.flat[offset:offset + n].view(b.incoming[i].shape).to(b.incoming[i].dtype)
                 offset += n
                 prev = b.previous[i]
                 _local(p.grad).copy_(reduced if prev is None else prev + reduced)
             b.reset()
 
 
-def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], bucket_bytes: int) -> list[_Bucket]:
-    """Buckets as :func:`autoshard.comm.grad_buckets` forms them (the cost model prices the same)."""
-    items = [((axes, _local(p).dtype), _local(p).numel() * _local(p).element_size()) for p, axes in params]
+def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], bucket_bytes: int,
+                  reduce_dtype: torch.dtype | None = None) -> list[_Bucket]:
+    """Buckets as :func:`autoshard.comm.grad_buckets` forms them (the cost model prices the same),
+    sized in the dtype they are reduced in."""
+    def size(p: torch.Tensor) -> int:
+        item = reduce_dtype.itemsize if reduce_dtype is not None and p.is_floating_point() else p.element_size()
+        return p.numel() * item
+
+    items = [((axes, _local(p).dtype), size(_local(p))) for p, axes in params]
     return [_Bucket(params[b[0]][1], [params[i][0] for i in b]) for b in grad_buckets(items, bucket_bytes)]

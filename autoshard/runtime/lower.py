@@ -109,6 +109,9 @@ class _Lowering:
         self.gather_before = self._gather_points()
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
         self.output_specs: list[ShardSpec | None] = []
+        self.mp = plan.mixed_precision
+        self.cast: dict[str, fx.Node] = {}     # parameter -> its working copy (mixed precision)
+        self.cast_before = self._cast_points() if self.mp is not None else {}
 
     # -- driver ----------------------------------------------------------------------------------
 
@@ -120,6 +123,8 @@ class _Lowering:
             elif node.op == "call_function":
                 for group in self.gather_before.get(node.name, ()):   # outside any memory region
                     self._gather_params(group)
+                for param in self.cast_before.get(node.name, ()):     # likewise
+                    self._working_copy(param)
                 last = self.out._root.prev            # the graph's last node before this one's
                 self._call(node)
                 self._annotate_memory(node, last)
@@ -243,7 +248,7 @@ class _Lowering:
     def _operand(self, node: fx.Node, j: int, operand: fx.Node, strategy: Strategy) -> fx.Node:
         if (node.name, j) in self.gathers.uses:   # its group's gather; the reduce-scatter sums its gradient
             return self.gathered[operand.name]
-        value = self.env[operand.name]
+        value = self._working_copy(operand.name)
         src_output = int(node.args[1]) if node.target is operator.getitem else 0
         if isinstance(value, list):
             value = value[src_output]
@@ -252,18 +257,39 @@ class _Lowering:
             if entry.src != operand.name:
                 raise LoweringError(f"plan reshards operand {j} of node '{node.name}' from '{entry.src}', "
                                     f"but the graph's operand is '{operand.name}': the plan is for another graph")
-            value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn)
+            value = self._reshard(value, entry, parameter=operand.name in self.graph.param_fqn,
+                                  grad_dtype=self._grad_dtype(operand.name))
         axes = _comm_axes(strategy, BWD, f"in{j}", self.comm)
         if axes and (node.name, j) not in self.reduction.deferred:
+            grad_dtype = self._grad_dtype(operand.name)
+            sync_args = (self._comm(), value, axes) + ((grad_dtype,) if grad_dtype is not None else ())
             if entry is not None:
-                return self.out.call_method("sync_grad", (self._comm(), value, axes))
+                return self.out.call_method("sync_grad", sync_args)
             # Consumers of one value that need the same gradient all-reduce share it: autograd
             # sums their partial gradients locally, then one all-reduce runs (the plan counts one).
             key = (value, axes)
             if key not in self.synced:
-                self.synced[key] = self.out.call_method("sync_grad", (self._comm(), value, axes))
+                self.synced[key] = self.out.call_method("sync_grad", sync_args)
             value = self.synced[key]
         return value
+
+    def _working_copy(self, name: str) -> fx.Node:
+        """The value an op reads for graph node ``name``: under mixed precision a floating-point
+        parameter's working copy (cast at its point, :meth:`_cast_points`; one copy shared by its
+        uses; the gradient flows back into the master in the master's dtype), anything else as it is."""
+        value = self.env[name]
+        if self.mp is None or name not in self.graph.param_fqn or not self.graph.tensor_meta(name).dtype.is_floating_point:
+            return value
+        if name not in self.cast:
+            self.cast[name] = self.out.call_method("cast_param", (self._comm(), value, self.mp.param))
+        return self.cast[name]
+
+    def _grad_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype an inline reduction of parameter ``name``'s gradient runs in: mixed precision's
+        reduce dtype where it differs from the working dtype, else None (the gradient's own)."""
+        if self.mp is None or name not in self.graph.param_fqn or self.mp.reduce == self.mp.param:
+            return None
+        return self.mp.reduce
 
     def _output(self, node: fx.Node) -> None:
         plan_node = self._node_plan(node.name)
@@ -317,10 +343,13 @@ class _Lowering:
                                 f"{[str(x) for x in s.input_specs]}, the plan says {entry.inputs}; re-plan")
         return s
 
-    def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False) -> fx.Node:
-        kwargs = {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))}
+    def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False,
+                 grad_dtype: torch.dtype | None = None) -> fx.Node:
+        kwargs: dict[str, Any] = {"fwd": tuple(iter_moves(entry.fwd)), "bwd": tuple(iter_moves(entry.bwd))}
         if parameter:
             kwargs["parameter"] = True
+        if grad_dtype is not None:
+            kwargs["grad_dtype"] = grad_dtype
         return self.out.create_node("call_method", "reshard", (self._comm(), value), kwargs,
                                     name=f"{entry.src}_{entry.dst_spec}".lower().replace("+", "p"))
 
@@ -340,11 +369,37 @@ class _Lowering:
             points.setdefault(at, []).append(group)
         return points
 
+    def _cast_points(self) -> dict[str, list[str]]:
+        """Graph node -> the parameters to cast to the working dtype just before it (mixed
+        precision): before the first use that does not read the parameter gathered or, where that
+        use is inside a memory region, before the region's first node, as for gathers. The copy is
+        then held for the step, as the plan counts it, and never cast again in backward."""
+        region_start: dict[object, str] = {}
+        order = {}
+        for i, node in enumerate(self.graph.graph.nodes):
+            order[node.name] = i
+            if node.name in self.region_of:
+                region_start.setdefault(self.region_of[node.name][0], node.name)
+        points: dict[str, list[str]] = {}
+        for node in self.graph.graph.nodes:
+            if node.name not in self.graph.param_fqn or not self.graph.tensor_meta(node.name).dtype.is_floating_point:
+                continue
+            uses = [u for u in node.users if u.op == "call_function" and any(
+                n == node.name and (u.name, j) not in self.gathers.uses for j, n in enumerate(self._operand_names(u)))]
+            if not uses:
+                continue
+            at = min(uses, key=lambda u: order[u.name]).name
+            if at in self.region_of:
+                at = region_start[self.region_of[at][0]]
+            points.setdefault(at, []).append(node.name)
+        return points
+
     def _gather_params(self, group) -> None:
         """One all-gather of a group's parameter shards (see :mod:`autoshard.param_gather`)."""
-        shards = tuple(self.env[p.name] for p in group.params)
+        shards = tuple(self.env[p.name] for p in group.params)     # master shards: cast inside, as FSDP2
         dims = tuple(p.dim for p in group.params)
-        whole = self.out.call_method("gather_params", (self._comm(), group.axes, dims, *shards))
+        dtypes = {} if self.mp is None else {"param_dtype": self.mp.param, "reduce_dtype": self.mp.reduce}
+        whole = self.out.call_method("gather_params", (self._comm(), group.axes, dims, *shards), dtypes)
         for j, p in enumerate(group.params):
             self.gathered[p.name] = self.out.call_function(operator.getitem, (whole, j))
 

@@ -29,6 +29,7 @@ from ..mesh import MeshError
 from ..meta_capture import capture_in_mode, capture_meta, meta_copy, to_meta
 from ..plans import ModeError, Plan, PlanError, PlanMismatchError
 from ..plans.validation import check_layouts_agree
+from ..precision import cast_input, cast_inputs, precision_copy
 from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
@@ -145,6 +146,8 @@ class ParallelModule(nn.Module):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
                             f"{'x'.join(map(str, device_mesh.shape))}; plan for this mesh or build the mesh "
                             f"with autoshard.init_mesh({tuple(plan.mesh_shape)})")
+        if plan.mixed_precision is not None:
+            _check_master_dtype(model, plan)
         self.plan = plan
         self.device_mesh = device_mesh
         self.input_mode = input_mode
@@ -175,13 +178,18 @@ class ParallelModule(nn.Module):
         self._modes: dict[bool, _Mode] = {plan.training: main}
         self._checked_modes: set[bool] = set()    # modes whose first call was checked (check_inputs="first")
         # What the other mode is captured from: a meta copy (no storage) and meta example inputs.
-        object.__setattr__(self, "_meta_model", meta_copy(model) if args is not None or kwargs is not None else None)
+        if plan.mixed_precision is not None and (args is not None or kwargs is not None):
+            args, kwargs = cast_inputs(args, kwargs, plan.mixed_precision)
+        object.__setattr__(self, "_meta_model", None if args is None and kwargs is None else
+                           meta_copy(model) if plan.mixed_precision is None else
+                           precision_copy(model, plan.mixed_precision))
         self._example = (to_meta(tuple(args) if isinstance(args, (tuple, list)) else (args,)) if args is not None else (),
                          to_meta(dict(kwargs or {})))
         with stages.stage("placing this rank's parameter shards" + (f" from {checkpoint}" if checkpoint else "")):
             self._install_state(model, graph, checkpoint, replicas)
-        self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes)
-                                               for p, axes in self._bucketed(main)], bucket_bytes)
+        mp = plan.mixed_precision
+        self._grad_sync = GradSync(self.comm, [(self._tensor_of(p), axes) for p, axes in self._bucketed(main)],
+                                   bucket_bytes, reduce_dtype=None if mp is None else mp.reduce)
         self.train(model.training)
 
     # -- modes -----------------------------------------------------------------------------------
@@ -353,6 +361,9 @@ class ParallelModule(nn.Module):
         self._checked_modes.add(self.training)
         out = mode.program.module(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
+        mp = self.plan.mixed_precision
+        if mp is not None and mp.output is not None:      # FSDP2's output_dtype
+            out = [o.to(mp.output) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out]
         if self._watch is not None and torch.is_grad_enabled() and \
                 any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):
             self._watch_backward(out)
@@ -380,6 +391,8 @@ class ParallelModule(nn.Module):
         meta = graph.tensor_meta(p.name)
         if not isinstance(meta, TensorMeta):
             return value
+        if self.plan.mixed_precision is not None:     # FSDP2's cast_forward_inputs
+            value = cast_input(value, self.plan.mixed_precision)
         want = tuple(meta.shape)
         if self.input_mode == "local" and p.spec is not None:
             want = p.spec.local_shape(want, self.comm.mesh_shape)
@@ -505,9 +518,24 @@ def example_inputs(plan: Plan) -> tuple[tuple, dict]:
 def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, Any] | None) -> CapturedGraph:
     """The graph of ``model`` in the mode the plan was made in (the model's own per-module modes when
     its root is in that mode)."""
+    if plan.mixed_precision is not None:       # captured as planned: parameters and float inputs in param_dtype
+        model = precision_copy(model, plan.mixed_precision)
+        args, kwargs = cast_inputs(args, kwargs, plan.mixed_precision)
     if model.training == plan.training:
         return capture_meta(model, args, kwargs, name=plan.model_name)
     return capture_in_mode(model, args, kwargs, plan.training, name=plan.model_name)
+
+
+def _check_master_dtype(model: nn.Module, plan: Plan) -> None:
+    """A mixed-precision plan keeps the model's parameters as master weights: they must be in the
+    master dtype the plan was made with (PlanMismatchError otherwise)."""
+    mp = plan.mixed_precision
+    assert mp is not None
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    if found and found != [mp.master_dtype]:
+        raise PlanMismatchError(f"the plan keeps {mp.master_dtype} master weights ({mp}), but the model's parameters "
+                                f"are {', '.join(found)}; pass the model in {mp.master_dtype} (e.g. model.float()), "
+                                f"as it was planned")
 
 
 def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, bucket_bytes: Any, replicas: Any,
@@ -531,7 +559,8 @@ def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, b
 
 
 _DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
-                    "segments", "reshards", "inputs", "outputs", "training", "other_mode")
+                    "segments", "reshards", "inputs", "outputs", "training", "other_mode",
+                    "mixed_precision")
 
 
 def _plan_digest(plan: Plan) -> str:

@@ -40,15 +40,17 @@ Shared arrays (cost vectors, index maps, edge matrices) are read-only: identical
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 import torch.fx as fx
 
+from ..comm import collective_cost
 from ..capture import CapturedGraph, TensorMeta, repeated_block
 from ..enumerate import StrategyTable
 from ..hardware import HardwareProfile
@@ -58,6 +60,9 @@ from ..reshard import ReshardTable, reshard_table
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, CommAction, MemoryCost, Strategy
 from .steptime import optimizer_seconds
+
+if TYPE_CHECKING:
+    from ..precision import MixedPrecision
 
 __all__ = [
     "CGEdge", "CGNode", "CostBreakdown", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
@@ -315,8 +320,9 @@ class CostGraph:
     """
 
     def __init__(self, table: StrategyTable, nodes: dict[str, CGNode], edges: list[CGEdge], *,
-                 merged: bool, aliased: bool) -> None:
+                 merged: bool, aliased: bool, precision: "MixedPrecision | None" = None) -> None:
         self.table = table
+        self.precision = precision      # the mixed-precision policy priced, None: the graph's dtypes
         self.nodes = nodes
         self.edges = edges
         self.merged = merged
@@ -341,6 +347,30 @@ class CostGraph:
 
     def __getitem__(self, name: str) -> CGNode:
         return self.nodes[name]
+
+    def stored_itemsize(self, placeholder: str) -> int:
+        """Bytes per element of a parameter placeholder as the runtime stores it: its graph dtype's,
+        or under mixed precision the master dtype's (a floating-point parameter)."""
+        dtype = self.graph.tensor_meta(placeholder).dtype
+        if self.precision is not None and dtype.is_floating_point:
+            return self.precision.master.itemsize
+        return dtype.itemsize
+
+    def as_run(self, c: CommAction) -> CommAction:
+        """A strategy's collective as the runtime runs it: a parameter-gradient all-reduce (``bucketed``)
+        is, under mixed precision, sized and priced in the reduce dtype; anything else as it is."""
+        if self.precision is None or not c.bucketed or self.precision.reduce_ratio == 1.0:
+            return c
+        nbytes = int(round(c.nbytes * self.precision.reduce_ratio))
+        return dataclasses.replace(c, nbytes=nbytes,
+                                   cost=collective_cost(c.kind, nbytes, c.axes, self.mesh.shape, self.hardware))
+
+    def reduced_grad_bytes(self, placeholder: str, stored_bytes: float) -> int:
+        """Bytes of a parameter's gradient all-reduce, given its stored gradient's bytes: the same,
+        or under mixed precision re-counted in the reduce dtype."""
+        if self.precision is None or not self.graph.tensor_meta(placeholder).dtype.is_floating_point:
+            return int(stored_bytes)
+        return int(round(stored_bytes / self.precision.master.itemsize * self.precision.reduce.itemsize))
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -499,7 +529,7 @@ def _segment_name(block: tuple[str, int] | None) -> str | None:
 # -- build ---------------------------------------------------------------------------------------------
 
 def build_cost_graph(table: StrategyTable, *, merge_followers: bool = True,
-                     alias_blocks: bool = True) -> CostGraph:
+                     alias_blocks: bool = True, precision: "MixedPrecision | None" = None) -> CostGraph:
     """The cost graph of a strategy table.
 
     ``merge_followers``: fold single-operand view/cast/pointwise/getitem/assert nodes into their
@@ -510,9 +540,14 @@ def build_cost_graph(table: StrategyTable, *, merge_followers: bool = True,
 
     ``alias_blocks``: nodes of identical repeated blocks (same ops, shapes, arguments, strategies
     and internal edges) share one decision group. Exact in cost: only identical blocks alias.
+
+    ``precision``: the mixed-precision policy the graph (captured with parameters in its working
+    dtype) runs under: a parameter placeholder's ``params``/``grads``/``optimizer`` then count its
+    master shard, the gradient kept there and the optimizer step over it (master dtype), and
+    ``sync_bytes`` the gradient all-reduces in the reduce dtype (see :mod:`autoshard.precision`).
     """
     start = time.perf_counter()
-    b = _Builder(table)
+    b = _Builder(table, precision)
     b.base_nodes()
     t_nodes = time.perf_counter()
     if merge_followers:
@@ -520,7 +555,7 @@ def build_cost_graph(table: StrategyTable, *, merge_followers: bool = True,
     t_merge = time.perf_counter()
     edges = b.edges()
     t_edges = time.perf_counter()
-    cg = CostGraph(table, b.nodes, edges, merged=merge_followers, aliased=alias_blocks)
+    cg = CostGraph(table, b.nodes, edges, merged=merge_followers, aliased=alias_blocks, precision=precision)
     classes = _identical_blocks(cg, b)
     cg.identical_blocks = [blocks for _, blocks in classes]
     if alias_blocks:
@@ -573,8 +608,9 @@ class _Builder:
     each cache entry keeps its key objects alive so the ids stay valid.
     """
 
-    def __init__(self, table: StrategyTable) -> None:
+    def __init__(self, table: StrategyTable, precision: "MixedPrecision | None" = None) -> None:
         self.table = table
+        self.precision = precision
         self.graph = table.graph
         self.fx = {n.name: n for n in table.graph.graph.nodes}
         self.blocks = {name: block_of(self.graph, n) for name, n in self.fx.items()}
@@ -759,14 +795,22 @@ class _Builder:
         Parameter and gradient memory is counted where it is stored, at the parameter's
         placeholder (its layout); an op's ``memory.params``/``grads`` (its view of a parameter
         operand, in its input spec) is not counted again, so those vectors are zero unless
-        ``stores_params``, where the optimizer step of the local shard is priced too.
+        ``stores_params``, where the optimizer step of the local shard is priced too. Under mixed
+        precision a placeholder's parameter and gradient bytes are its master shard's and the
+        gradient all-reduce bytes are in the reduce dtype.
         """
         key = (id(strategies), stores_params)
         hit = self._cost_cache.get(key)
         if hit is None:
             costs = StrategyCosts.of(strategies)
+            mp = self.precision
+            if mp is not None:
+                costs.sync_bytes = np.rint(costs.sync_bytes * mp.reduce_ratio).astype(np.int64)
             if stores_params:
                 hw = self.table.hardware
+                if mp is not None:
+                    costs.params = np.rint(costs.params * mp.master_ratio).astype(np.int64)
+                    costs.grads = np.rint(costs.grads * mp.master_ratio).astype(np.int64)
                 costs.optimizer = np.array([optimizer_seconds(hw, float(g)) for g in costs.grads])
             else:
                 costs.params = np.zeros_like(costs.params)

@@ -45,7 +45,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         mem.params += c.params[s]
         mem.grads += c.grads[s]
         if node.kind == "placeholder" and c.params[s]:
-            item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
+            item = cg.stored_itemsize(node.members[0])
             mem.optimizer += c.params[s] / item * options.optimizer_bytes_per_param
         if node.segment is None:
             mem.activations += c.saved[s]
@@ -103,9 +103,10 @@ def _gather_seconds(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers
     per_edge = sum(_edge_seconds(e, choice) for e in cg.edges if (e.dst_member, e.operand) in gathers.uses)
     grouped = 0.0
     for group in gathers.groups:
-        nbytes = gathered_bytes(cg.graph, group)
-        grouped += sum(collective_cost(kind, nbytes, group.axes, cg.mesh.shape, cg.hardware)
-                       for kind in ("all_gather", "reduce_scatter"))
+        nbytes = gathered_bytes(cg.graph, group)      # all-gathered in the working dtype
+        grads = nbytes * (cg.precision.reduce_ratio if cg.precision is not None else 1.0)
+        grouped += collective_cost("all_gather", nbytes, group.axes, cg.mesh.shape, cg.hardware) + \
+            collective_cost("reduce_scatter", grads, group.axes, cg.mesh.shape, cg.hardware)
     return per_edge, grouped
 
 
@@ -212,7 +213,7 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
         host = cg.node_of[param]
         meta = graph.tensor_meta(fx_nodes[param])
         synced.append((min(position[u] for u in users), SyncedGradient(
-            axes, str(meta.dtype), int(cg.nodes[host].costs.grads[choice[host]]),
+            axes, str(meta.dtype), cg.reduced_grad_bytes(param, cg.nodes[host].costs.grads[choice[host]]),
             max(finish[cg.node_of[u]] for u in users))))
     synced.sort(key=lambda item: item[0])
     inline = deferred = 0.0
@@ -227,7 +228,7 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
                 if (member, j) in gathers.uses:             # summed by its group's reduce-scatter
                     continue
                 if a.bucketed and operand not in reduction.bucketed:
-                    inline += a.cost
+                    inline += cg.as_run(a).cost
                 elif not a.bucketed and (member, j) in reduction.deferred:
                     deferred += a.cost
     return GradientSync([g for _, g in synced], inline, deferred, clock)

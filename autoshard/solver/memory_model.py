@@ -85,7 +85,7 @@ def _static_and_unsegmented_memory(m: Model) -> tuple["_Form", "_Form", "_Form"]
         c = node.costs
         opt_state = np.zeros_like(c.params)
         if node.kind == "placeholder" and np.any(c.params):
-            item = cg.graph.tensor_meta(node.members[0]).dtype.itemsize
+            item = cg.stored_itemsize(node.members[0])
             opt_state = c.params / item * opts.optimizer_bytes_per_param
         if np.any(c.params + c.grads + opt_state):
             static.add(g.key, g.count * (c.params + c.grads + opt_state) / m.M)

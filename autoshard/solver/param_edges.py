@@ -22,7 +22,12 @@ Memory: a parameter read in a layout larger than it is stored (gathered, or resh
 is a copy; where its consumer saves that operand for backward (a matmul's weight, a norm's scale;
 not a bias, not an embedding table: the op's profile says which) the copy is held until backward,
 and ``held`` prices it (bytes per device), as static memory. A parameter read twice in one block
-is counted per read (the runtime gathers it once): an over-count on the safe side.
+is counted per read (the runtime gathers it once): an over-count on the safe side. Under mixed
+precision every read is a copy, the parameter cast to the working dtype (the low-precision working
+copy), held likewise when the consumer saves it (the runtime casts it before the first use, outside
+any memory region, so a recomputed segment does not free it); a cast that is not saved (an
+embedding table's, or a gathered parameter's shard before its all-gather) is transient and not
+counted.
 
 One description, used by the ILP's terms and by :func:`~.ilp.predict` / :func:`~.ilp.objective_of`
 to evaluate an assignment exactly as the ILP does.
@@ -101,22 +106,26 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
     held = np.zeros(seconds.shape)
     resharded = np.zeros(seconds.shape, dtype=bool)
     saved = _saved_by_consumer(cg, e)
+    # Under mixed precision every read is a copy (the parameter cast to the working dtype, the
+    # dtype of the graph), and a gradient is reduce-scattered in the reduce dtype.
+    cast = cg.precision is not None and e.tensor.dtype.is_floating_point
+    grad_full = full * (cg.precision.reduce_ratio if cast else 1.0)   # type: ignore[union-attr]
     for a, src in enumerate(e.src_specs):
         src_bytes = src.local_numel(shape, mesh_shape) * item
         axes = _gather_axes(src, mesh_shape) if carries_grad else None
         for b, dst in enumerate(e.dst_specs):
             dst_bytes = dst.local_numel(shape, mesh_shape) * item
-            if saved and dst_bytes > src_bytes:
+            if saved and (cast or dst_bytes > src_bytes):
                 held[a, b] = dst_bytes
             if axes is not None and dst.is_replicated():
                 gather_axes[a, b] = axes
-                seconds[a, b] = sum(collective_cost(kind, full, axes, mesh_shape, hw)
+                seconds[a, b] = sum(collective_cost(kind, nbytes, axes, mesh_shape, hw)
                                     - collective_cost(kind, 0, axes, mesh_shape, hw)
-                                    for kind in (ALL_GATHER, REDUCE_SCATTER))
+                                    for kind, nbytes in ((ALL_GATHER, full), (REDUCE_SCATTER, grad_full)))
             else:
                 resharded[a, b] = carries_grad and src != dst
     consumer = cg.nodes[e.dst]
-    inline = np.array([sum(c.cost for c in consumer.member_strategy(e.dst_member, k).comm
+    inline = np.array([sum(cg.as_run(c).cost for c in consumer.member_strategy(e.dst_member, k).comm
                            if c.phase == BWD and c.bucketed and c.operand == f"in{e.operand}")
                        for k in range(len(e.dst_index))])
     return ParamEdgePrice(seconds, gather_axes, held, resharded, inline, blocks)
