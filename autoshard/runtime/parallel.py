@@ -32,6 +32,7 @@ from ..plans.validation import check_layouts_agree
 from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
+from .compiled import compile_options, compile_program
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
@@ -51,7 +52,8 @@ class PlanDisagreementError(PlanError):
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
                 input_mode: str = "global", checkpoint: str | None = None,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None,
-                replicas: str = "check", check_inputs: str = "first", progress: bool = False) -> "ParallelModule":
+                replicas: str = "check", check_inputs: str = "first", progress: bool = False,
+                compile: bool | Mapping[str, Any] = False) -> "ParallelModule":
     """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
 
     ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
@@ -108,7 +110,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
                           checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph, replicas=replicas,
-                          check_inputs=check_inputs, progress=progress)
+                          check_inputs=check_inputs, progress=progress, compile=compile)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class _Mode:
     out_spec: Any
     random: list[str]
     constants: dict[str, torch.Tensor]     # placeholder -> this rank's block of a lifted tensor constant
+    run: Any = None                        # what runs the program: its module, or its compiled version
 
 
 class ParallelModule(nn.Module):
@@ -138,8 +141,9 @@ class ParallelModule(nn.Module):
                  kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
                  checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first",
-                 progress: bool = False) -> None:
+                 progress: bool = False, compile: bool | Mapping[str, Any] = False) -> None:
         super().__init__()
+        self._compile = compile_options(compile)
         _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
@@ -190,8 +194,10 @@ class ParallelModule(nn.Module):
         program = lower(graph, plan, self.comm, self.device, input_mode=self.input_mode)
         in_spec = graph.exported.call_spec.in_spec
         binder = InputBinder(self._signature, in_spec)
+        run = program.module if self._compile is None else \
+            compile_program(program.module, self.comm, plan, self._compile)
         return _Mode(graph, plan, program, binder, graph.exported.call_spec.out_spec, random_nodes(graph.graph.nodes),
-                     self._local_constants(graph, program))
+                     self._local_constants(graph, program), run)
 
     def _local_constants(self, graph: CapturedGraph, program: LocalProgram) -> dict[str, torch.Tensor]:
         """This rank's block of each lifted tensor constant of ``program`` (values from the plan's
@@ -351,7 +357,7 @@ class ParallelModule(nn.Module):
             agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
                           wait=self.comm.wait if self._watch is not None and self._watch.poll else None)
         self._checked_modes.add(self.training)
-        out = mode.program.module(*feeds)
+        out = mode.run(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         if self._watch is not None and torch.is_grad_enabled() and \
                 any(isinstance(o, torch.Tensor) and o.requires_grad for o in out):

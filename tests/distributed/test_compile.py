@@ -1,0 +1,192 @@
+"""``parallelize(..., compile=True)`` on 4 gloo ranks (2x2 mesh): the compiled program equals eager.
+
+Each case trains two copies of one model, eagerly and compiled (inductor, C++ on CPU), for
+``STEPS`` SGD steps under the same plan: every step's loss and every gathered gradient must agree
+within fp32 reassociation tolerance (inductor fuses pointwise ops and reorders reductions, e.g. a
+fused ``sum`` or ``mean`` adds in another order: about 1e-7 relative on these sizes; the bound is
+``RTOL``/``ATOL`` as in the rest of the distributed suite). The graph test compiles with a backend
+that records dynamo's and AOTAutograd's graphs: one graph, no graph break, and exactly the
+collectives the eager program runs in forward and backward are in them (the bucketed gradient
+all-reduce after backward stays eager in both). Plans the compiled path does not run raise
+:class:`~autoshard.runtime.compiled.CompileError`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.models import build_model
+from autoshard.plans import Plan
+from autoshard.runtime import capture_meta
+from autoshard.runtime.compiled import CompileError
+from runtime_harness import RTOL, ATOL, device_mesh, on_all_ranks
+
+MESH = (2, 2)
+STEPS = 3
+LR = 0.1
+_CACHE: dict[Any, Any] = {}
+
+
+def _model(name: str):
+    if name == "mlp":      # large enough that the solved plan shards it (2D tensor parallel on cpu-gloo)
+        return build_model("mlp", device="cpu", batch=64, features=256, hidden=1024, out_features=256)
+    return build_model(name, device="cpu", batch=8, dropout=0.0)
+
+
+def _graph(name: str):
+    if ("graph", name) not in _CACHE:
+        model, args, kwargs = _model(name)
+        _CACHE[("graph", name)] = capture_meta(model, args, kwargs, name=name)
+    return _CACHE[("graph", name)]
+
+
+def _plan(name: str, baseline: str | None) -> Plan:
+    """Solved on rank 0 (``baseline`` None: the free optimum for the cpu-gloo profile), broadcast."""
+    if ("plan", name, baseline) not in _CACHE:
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box = [autoshard.plan(_graph(name), mesh=MESH, hardware="cpu-gloo", baseline=baseline).to_dict()]
+        dist.broadcast_object_list(box, 0)
+        _CACHE[("plan", name, baseline)] = Plan.from_dict(box[0])
+    return _CACHE[("plan", name, baseline)]
+
+
+def _loss(pm: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = pm(*args, **kwargs)
+    return out.loss if hasattr(out, "loss") else out.square().mean()
+
+
+def _train(pm: autoshard.ParallelModule, args: tuple, kwargs: dict) -> list[tuple[float, dict]]:
+    """``STEPS`` SGD steps: each step's loss and gathered gradients."""
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    steps = []
+    for _ in range(STEPS):
+        loss = _loss(pm, args, kwargs)
+        loss.backward()
+        steps.append((loss.item(), pm.full_grads()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps
+
+
+def _compare(name: str, baseline: str | None, compile: Any) -> autoshard.ParallelModule:
+    model, args, kwargs = _model(name)
+    plan = _plan(name, baseline)
+    mesh = device_mesh(MESH)
+    eager = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name))
+    compiled = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name), compile=compile)
+    want, got = _train(eager, args, kwargs), _train(compiled, args, kwargs)
+    for step, ((lw, gw), (lg, gg)) in enumerate(zip(want, got)):
+        torch.testing.assert_close(lg, lw, rtol=RTOL, atol=ATOL, msg=lambda m: f"loss of step {step}: {m}")
+        assert gw.keys() == gg.keys()
+        for key in gw:
+            assert (gw[key] is None) == (gg[key] is None), f"step {step}: gradient of {key}"
+            if gw[key] is not None:
+                torch.testing.assert_close(gg[key], gw[key], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step}: gradient of {key}: {m}")
+    return compiled
+
+
+@pytest.mark.parametrize("name,baseline", [("mlp", "data_parallel"), ("mlp", "megatron"), ("mlp", None),
+                                           ("gpt2-tiny", "megatron")])
+def test_compiled_training_equals_eager(name, baseline):
+    """Inductor-compiled steps give eager's losses and gradients (data parallel, Megatron, solved)."""
+    on_all_ranks(f"{name} {baseline or 'solved'} compiled with inductor", _compare, name, baseline, True)
+
+
+class _Recorder:
+    """A torch.compile backend recording dynamo's graphs and AOTAutograd's forward/backward graphs."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.fw: list[torch.fx.GraphModule] = []
+        self.bw: list[torch.fx.GraphModule] = []
+
+        def keep(into: list):
+            def compiler(gm: torch.fx.GraphModule, example_inputs: Any):
+                into.append(gm)
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        # inductor's partitioner (the default one of aot_autograd places ops by their position in
+        # the joint graph and puts a dead copy of forward collectives into the backward)
+        self._aot = aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw),
+                                 partition_fn=min_cut_rematerialization_partition)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any):
+        self.dynamo.append(gm)
+        return self._aot(gm, example_inputs)
+
+
+def _collectives(graphs: list[torch.fx.GraphModule]) -> int:
+    """Collective ops (not waits) of the functional-collective namespace in ``graphs``."""
+    return sum(1 for gm in graphs for n in gm.graph.nodes
+               if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+               and "wait_tensor" not in str(n.target))
+
+
+def _graph_run(name: str, baseline: str | None) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    recorder = _Recorder()
+    compiled = _compare(name, baseline, {"backend": recorder})
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert len(recorder.dynamo) == 1 and len(recorder.fw) == 1 and len(recorder.bw) == 1, \
+        (len(recorder.dynamo), len(recorder.fw), len(recorder.bw))
+    # the eager program's collectives for one step, by phase; the bucketed all-reduces stay eager
+    model, args, kwargs = _model(name)
+    eager = autoshard.parallelize(copy.deepcopy(model), _plan(name, baseline), device_mesh(MESH), graph=_graph(name))
+    with eager.comm.counter.recording() as counter:
+        _loss(eager, args, kwargs).backward()
+    calls = {"fwd": 0, "bwd": 0}
+    for (kind, axes, phase), (_, n) in counter.totals().items():
+        calls[phase] += n
+    buckets = len(eager._grad_sync.buckets)
+    assert calls["fwd"] + calls["bwd"] - buckets > 0, f"the plan should have in-graph collectives: {calls}"
+    assert _collectives(recorder.fw) == calls["fwd"], (_collectives(recorder.fw), calls)
+    assert _collectives(recorder.bw) == calls["bwd"] - buckets, (_collectives(recorder.bw), calls, buckets)
+    # the compiled program's bucketed gradients are still synchronised after backward (eager hooks)
+    assert len(compiled._grad_sync.buckets) == buckets
+
+
+@pytest.mark.parametrize("name,baseline", [("mlp", None), ("gpt2-tiny", "megatron"), ("llama-tiny", "zero3")])
+def test_compiled_program_has_no_graph_break(name, baseline):
+    """Dynamo captures the whole forward in one graph and AOTAutograd the whole backward, with the
+    plan's collectives inside: no graph break from the collectives."""
+    on_all_ranks(f"{name} {baseline or 'solved'} graphs", _graph_run, name, baseline)
+
+
+def _memory_decision_error() -> None:
+    plan = Plan.from_dict(_plan("gpt2-tiny", "megatron").to_dict())
+    plan.segments = {segment: "recompute" for segment in plan.segments}
+    model, _, _ = _model("gpt2-tiny")
+    with pytest.raises(CompileError, match=r"recompute.*compile=False"):
+        autoshard.parallelize(model, plan, device_mesh(MESH), graph=_graph("gpt2-tiny"), compile=True)
+
+
+def test_memory_decisions_are_a_clear_error():
+    """Checkpoint/offload regions are not compiled: an error naming the decision and what to do."""
+    on_all_ranks("recompute plan with compile=True", _memory_decision_error)
+
+
+def _counter_error() -> None:
+    model, args, kwargs = _model("mlp")
+    pm = autoshard.parallelize(model, _plan("mlp", "megatron"), device_mesh(MESH), graph=_graph("mlp"),
+                               compile={"backend": "eager"})
+    with pytest.raises(CompileError, match="compile=False"):
+        with pm.comm.counter.recording():
+            pm(*args, **kwargs)
+
+
+def test_counting_collectives_of_a_compiled_program_is_a_clear_error():
+    on_all_ranks("comm.counter on a compiled program", _counter_error)
