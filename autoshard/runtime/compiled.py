@@ -163,6 +163,7 @@ class _GatherParams(torch.autograd.Function):
         moved = [s.movedim(d, 0) for s, d in zip(shards, dims)]
         ctx.layout, ctx.axes, ctx.dims, ctx.n = layout, axes, dims, n
         ctx.moved_shapes = [tuple(m.shape) for m in moved]
+        ctx.dtype = moved[0].dtype
         blocks = _all_gather_dim0(torch.cat([m.reshape(-1) for m in moved]), layout, axes).view(n, -1)
         out, start = [], 0
         for m, d in zip(moved, dims):
@@ -174,7 +175,12 @@ class _GatherParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         n = ctx.n
-        pieces = [g.movedim(d, 0).reshape(n, -1) for g, d in zip(grads, ctx.dims)]
+        pieces = []
+        for g, shape, d in zip(grads, ctx.moved_shapes, ctx.dims):
+            if g is None:          # a gathered parameter that got no gradient: its blocks sum to zero
+                pieces.append(torch.zeros((n, math.prod(shape)), dtype=ctx.dtype, device=_grads_device(grads)))
+            else:
+                pieces.append(g.movedim(d, 0).reshape(n, -1))
         mine = _reduce_scatter_dim0(torch.cat(pieces, dim=1).reshape(-1), ctx.layout, ctx.axes)
         out, start = [], 0
         for shape, d in zip(ctx.moved_shapes, ctx.dims):
@@ -182,6 +188,14 @@ class _GatherParams(torch.autograd.Function):
             out.append(mine[start:start + k].view(shape).movedim(0, d))
             start += k
         return (None, None, None, *out)
+
+
+def _grads_device(grads: Sequence[torch.Tensor | None]) -> torch.device:
+    """The device of the first gradient that is not None (one is: backward runs for some output)."""
+    for g in grads:
+        if g is not None:
+            return g.device
+    raise ValueError("no gradient reached any gathered parameter")
 
 
 # -- the comm the compiled program calls ------------------------------------------------------------

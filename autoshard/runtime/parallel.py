@@ -32,7 +32,7 @@ from ..plans.validation import check_layouts_agree
 from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
-from .compiled import compile_options, compile_program
+from .compiled import CompiledProgram, compile_options, compile_program
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
@@ -80,6 +80,18 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     rank's word at each call and all raise at the same call. Every rank skipping backward
     (evaluation under grad mode) is fine. ``progress``: rank 0 reports each stage (capture, plan
     check, lowering, parameter shards) on stderr (:mod:`autoshard.progress`).
+    ``compile``: ``True`` runs the generated program through ``torch.compile`` (inductor,
+    ``dynamic=False``), a dict passes those ``torch.compile`` options instead (e.g.
+    ``{"backend": "aot_eager", "fullgraph": True}``). The compiled program is the same program with
+    its collectives written as functional collectives inside autograd functions that trace, so dynamo
+    captures the whole forward in one graph (no graph break from a collective) and AOTAutograd its
+    backward; the bucketed gradient all-reduce, input checks and step watch stay eager around it. It
+    compiles at the first call in each mode; losses and gradients equal the eager program's within
+    fp32 reassociation. Not supported, a :class:`~autoshard.runtime.compiled.CompileError` naming what
+    to do: plans with activation memory decisions (recompute, selective, partitioned, offload), and
+    calling it while ``pmodel.comm.counter`` records (collectives inside a compiled graph are not
+    counted). Collectives inside the compiled graph wait up to the process group's timeout, not through
+    the skipped-backward watch (see :mod:`autoshard.runtime.compiled`).
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -265,6 +277,13 @@ class ParallelModule(nn.Module):
     def program(self) -> Any:
         """The generated ``fx.GraphModule`` of the current mode."""
         return self._mode(self.training).program.module
+
+    @property
+    def compiled(self) -> CompiledProgram | None:
+        """The compiled program of the current mode (``compile=True``; its ``functional`` is the
+        uncompiled program on functional collectives), or None."""
+        run = self._mode(self.training).run
+        return run if isinstance(run, CompiledProgram) else None
 
     @property
     def placeholders(self) -> list[PlaceholderInfo]:

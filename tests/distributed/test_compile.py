@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.models import build_model
+from autoshard.errors import ArgumentError
 from autoshard.plans import Plan
 from autoshard.runtime import capture_meta
 from autoshard.runtime.compiled import CompileError
@@ -190,3 +191,10 @@ def _counter_error() -> None:
 
 def test_counting_collectives_of_a_compiled_program_is_a_clear_error():
     on_all_ranks("comm.counter on a compiled program", _counter_error)
+
+
+def test_bad_compile_argument_is_a_clear_error():
+    model, _, _ = _model("mlp")
+    with pytest.raises(ArgumentError, match=r"compile must be True, False or a dict of torch.compile options"):
+        autoshard.parallelize(model, _plan("mlp", "megatron"), device_mesh(MESH), graph=_graph("mlp"),
+                              compile="inductor")
