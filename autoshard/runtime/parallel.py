@@ -136,7 +136,7 @@ class _Mode:
     out_spec: Any
     random: list[str]
     constants: dict[str, torch.Tensor]     # placeholder -> this rank's block of a lifted tensor constant
-    run: Any = None                        # what runs the program: its module, or its compiled version
+    run: Any                               # what runs the program: its module, or its CompiledProgram
 
 
 class ParallelModule(nn.Module):
@@ -146,7 +146,8 @@ class ParallelModule(nn.Module):
     recording every collective), ``program`` (the generated ``fx.GraphModule`` of the current mode),
     ``code`` (its Python source), ``graph`` (the captured graph the plan was applied to, current
     mode), ``output_specs`` (the layout of each flat output as returned: replicated, or this rank's
-    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree).
+    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree),
+    ``compiled`` (the current mode's compiled program with ``compile=True``, else None).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,

@@ -100,6 +100,22 @@ def test_compiled_training_equals_eager(name, baseline):
     on_all_ranks(f"{name} {baseline or 'solved'} compiled with inductor", _compare, name, baseline, True)
 
 
+def _no_grad_run(name: str, baseline: str | None) -> None:
+    model, args, kwargs = _model(name)
+    plan, mesh = _plan(name, baseline), device_mesh(MESH)
+    eager = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name)).eval()
+    compiled = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name), compile=True).eval()
+    assert compiled.compiled is not None and eager.compiled is None
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args, **kwargs), eager(*args, **kwargs), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name,baseline", [("mlp", "megatron"), ("mlp", None)])
+def test_compiled_eval_without_grad_equals_eager(name, baseline):
+    """Evaluation under no_grad: the collectives' non-differentiable branch, compiled."""
+    on_all_ranks(f"{name} {baseline or 'solved'} eval under no_grad", _no_grad_run, name, baseline)
+
+
 class _Recorder:
     """A torch.compile backend recording dynamo's graphs and AOTAutograd's forward/backward graphs."""
 
