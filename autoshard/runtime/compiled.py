@@ -16,9 +16,14 @@ What stays eager, around the compiled graph: the input checks, the step watch, a
 gradient all-reduce after backward (:mod:`autoshard.runtime.grad_sync`: hooks on the parameters,
 which the compiled backward's gradients reach as the eager ones do).
 
-Not compiled (:class:`CompileError` at ``parallelize``, naming the feature): plans with activation
-memory decisions (recompute, selective or partitioned checkpoints, host offload), whose generated
-regions run ``torch.utils.checkpoint`` and saved-tensor hooks around the collectives.
+Activation memory decisions: ``recompute`` segments compile (their regions are non-reentrant
+``torch.utils.checkpoint`` calls, which dynamo traces into one graph; the regions' collectives are
+the functional ones too). What the compiled backward recomputes inside a region is then decided by
+AOTAutograd's partitioner under the regions' recompute tags, not by the generated code: on Megatron
+GPT-2 (tests/distributed/test_compile.py) it re-runs the same all-gathers as eager recompute plus
+one all-reduce. Not compiled (:class:`CompileError` at ``parallelize``, naming the feature):
+selective runs, partitioned checkpoints and host offload (saved-tensor hooks, eager collectives in
+the partitioned restore), and recompute regions that update module state (BatchNorm statistics).
 
 Differences from the eager program, by design: ``comm.counter`` cannot count collectives that run
 inside a compiled graph, so calling the compiled program while the counter records is a
@@ -36,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..plans import Plan, PlanError
+from .activation_codegen import update_state_once
 from .collectives import MeshComm, Move
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]
@@ -275,20 +281,30 @@ def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
                         f"{{'backend': 'aot_eager', 'fullgraph': True}}), got {compile!r}")
 
 
-def check_compilable(plan: Plan) -> None:
-    """:class:`CompileError` when the plan has activation memory decisions (not compiled)."""
-    regions = plan.memory_regions()
-    if not regions:
-        return
+COMPILED_DECISIONS = ("recompute",)
+"""Activation memory decisions whose generated regions compile (non-reentrant checkpoint regions)."""
+
+
+def check_compilable(plan: Plan, module: fx.GraphModule) -> None:
+    """:class:`CompileError` when the plan has activation memory decisions the compiled path does not
+    run (selective, partitioned, offload), or a recompute region that updates module state."""
     kinds: dict[str, int] = {}
-    for _, decision in regions.values():
-        kinds[decision] = kinds.get(decision, 0) + 1
-    what = ", ".join(f"{n} node(s) {d}" for d, n in sorted(kinds.items()))
-    raise CompileError(f"parallelize(compile=True) cannot compile the activation memory decisions of plan "
-                       f"{plan.model_name!r} ({what}): their generated checkpoint/offload regions run "
-                       f"torch.utils.checkpoint and saved-tensor hooks around the collectives, which the compiled "
-                       f"path does not support yet. Run it with compile=False, or re-plan so that every activation "
-                       f"is kept (a larger memory_budget, or a baseline plan).")
+    for _, decision in plan.memory_regions().values():
+        if decision not in COMPILED_DECISIONS:
+            kinds[decision] = kinds.get(decision, 0) + 1
+    if kinds:
+        what = ", ".join(f"{n} node(s) {d}" for d, n in sorted(kinds.items()))
+        raise CompileError(f"parallelize(compile=True) cannot compile these activation memory decisions of plan "
+                           f"{plan.model_name!r} ({what}): their generated regions (partitioned checkpoints, "
+                           f"selective runs, host offload through saved-tensor hooks) do not trace yet; only "
+                           f"'recompute' segments compile. Run it with compile=False, or re-plan so that every "
+                           f"activation is kept or recomputed (a larger memory_budget, or a baseline plan).")
+    for gm in module.modules():
+        if isinstance(gm, fx.GraphModule) and any(n.target is update_state_once for n in gm.graph.nodes):
+            raise CompileError(f"parallelize(compile=True) cannot compile plan {plan.model_name!r}: a recomputed "
+                               f"segment updates module state in place (e.g. BatchNorm running statistics), which "
+                               f"the compiled backward would update a second time. Run it with compile=False, or "
+                               f"re-plan keeping that segment.")
 
 
 class CompiledProgram:
@@ -297,8 +313,7 @@ class CompiledProgram:
     (what :func:`torch._dynamo.explain` can be run on)."""
 
     def __init__(self, module: fx.GraphModule, comm: MeshComm, options: Mapping[str, Any]) -> None:
-        self.functional = fx.GraphModule(module, copy.deepcopy(module.graph), class_name="CompiledLocalProgram")
-        self.functional.comm = FunctionalComm(comm)
+        self.functional = copy.deepcopy(module, memo={id(comm): FunctionalComm(comm)})
         self.counter = comm.counter
         self.options = dict(options)
         self.compiled: Callable[..., Any] = torch.compile(self.functional, **self.options)
@@ -314,5 +329,5 @@ class CompiledProgram:
 def compile_program(module: fx.GraphModule, comm: MeshComm, plan: Plan,
                     options: Mapping[str, Any]) -> CompiledProgram:
     """The compiled version of the local program ``module`` of ``plan`` (see the module docstring)."""
-    check_compilable(plan)
+    check_compilable(plan, module)
     return CompiledProgram(module, comm, options)

@@ -87,8 +87,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     captures the whole forward in one graph (no graph break from a collective) and AOTAutograd its
     backward; the bucketed gradient all-reduce, input checks and step watch stay eager around it. It
     compiles at the first call in each mode; losses and gradients equal the eager program's within
-    fp32 reassociation. Not supported, a :class:`~autoshard.runtime.compiled.CompileError` naming what
-    to do: plans with activation memory decisions (recompute, selective, partitioned, offload), and
+    fp32 reassociation. ``recompute`` segments compile (what backward recomputes in them is then
+    AOTAutograd's choice under the regions' recompute tags). Not supported, a
+    :class:`~autoshard.runtime.compiled.CompileError` naming what to do: selective, partitioned and
+    offload decisions, recomputed regions that update module state (BatchNorm statistics), and
     calling it while ``pmodel.comm.counter`` records (collectives inside a compiled graph are not
     counted). Collectives inside the compiled graph wait up to the process group's timeout, not through
     the skipped-backward watch (see :mod:`autoshard.runtime.compiled`).

@@ -7,7 +7,8 @@ fused ``sum`` or ``mean`` adds in another order: about 1e-7 relative on these si
 ``RTOL``/``ATOL`` as in the rest of the distributed suite). The graph test compiles with a backend
 that records dynamo's and AOTAutograd's graphs: one graph, no graph break, and exactly the
 collectives the eager program runs in forward and backward are in them (the bucketed gradient
-all-reduce after backward stays eager in both). Plans the compiled path does not run raise
+all-reduce after backward stays eager in both). A plan with every segment recomputed compiles to one
+graph too and equals eager; plans the compiled path does not run raise
 :class:`~autoshard.runtime.compiled.CompileError`.
 """
 from __future__ import annotations
@@ -75,9 +76,9 @@ def _train(pm: autoshard.ParallelModule, args: tuple, kwargs: dict) -> list[tupl
     return steps
 
 
-def _compare(name: str, baseline: str | None, compile: Any) -> autoshard.ParallelModule:
+def _compare(name: str, baseline: str | None, compile: Any, plan: Plan | None = None) -> autoshard.ParallelModule:
     model, args, kwargs = _model(name)
-    plan = _plan(name, baseline)
+    plan = plan or _plan(name, baseline)
     mesh = device_mesh(MESH)
     eager = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name))
     compiled = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=_graph(name), compile=compile)
@@ -183,17 +184,55 @@ def test_compiled_program_has_no_graph_break(name, baseline):
     on_all_ranks(f"{name} {baseline or 'solved'} graphs", _graph_run, name, baseline)
 
 
-def _memory_decision_error() -> None:
+def _every_segment(decision: str) -> Plan:
     plan = Plan.from_dict(_plan("gpt2-tiny", "megatron").to_dict())
-    plan.segments = {segment: "recompute" for segment in plan.segments}
-    model, _, _ = _model("gpt2-tiny")
-    with pytest.raises(CompileError, match=r"recompute.*compile=False"):
-        autoshard.parallelize(model, plan, device_mesh(MESH), graph=_graph("gpt2-tiny"), compile=True)
+    plan.segments = {segment: decision for segment in plan.segments}
+    return plan
 
 
-def test_memory_decisions_are_a_clear_error():
-    """Checkpoint/offload regions are not compiled: an error naming the decision and what to do."""
-    on_all_ranks("recompute plan with compile=True", _memory_decision_error)
+def _recompute_run() -> None:
+    from torch._dynamo.utils import counters
+
+    plan = _every_segment("recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    recorder = _Recorder()
+    compiled = _compare("gpt2-tiny", "megatron", {"backend": recorder}, plan)
+    assert "checkpoint" in compiled.code
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert (len(recorder.dynamo), len(recorder.fw), len(recorder.bw)) == (1, 1, 1)
+    model, args, kwargs = _model("gpt2-tiny")
+    eager = autoshard.parallelize(copy.deepcopy(model), plan, device_mesh(MESH), graph=_graph("gpt2-tiny"))
+    with eager.comm.counter.recording() as counter:
+        _loss(eager, args, kwargs).backward()
+    calls: dict[tuple[str, str], int] = {}
+    for (kind, _, phase), (_, n) in counter.totals().items():
+        calls[(kind, phase)] = calls.get((kind, phase), 0) + n
+    gathers = sum(1 for gm in recorder.bw for n in gm.graph.nodes if "all_gather" in str(n.target))
+    reduces = sum(1 for gm in recorder.bw for n in gm.graph.nodes if "_c10d_functional.all_reduce" in str(n.target))
+    assert _collectives(recorder.fw) == sum(n for (_, phase), n in calls.items() if phase == "fwd")
+    # backward re-runs the regions' all-gathers, as eager recompute does (AOTAutograd's partitioner
+    # chooses what else to recompute: here one forward all-reduce more than eager)
+    assert calls.get(("all_gather", "recompute"), 0) > 0 and gathers == calls[("all_gather", "recompute")], \
+        (gathers, calls)
+    assert reduces >= calls[("all_reduce", "bwd")] - len(eager._grad_sync.buckets), (reduces, calls)
+
+
+def test_recompute_segments_compile_and_equal_eager():
+    """Checkpoint regions (every segment recomputed): one graph, no break, eager's losses and gradients."""
+    on_all_ranks("gpt2-tiny megatron, every segment recomputed, compiled", _recompute_run)
+
+
+@pytest.mark.parametrize("decision", ["offload", "partitioned"])
+def test_other_memory_decisions_are_a_clear_error(decision):
+    """Offload and partitioned regions are not compiled: an error naming them and what to do."""
+    def run() -> None:
+        model, _, _ = _model("gpt2-tiny")
+        with pytest.raises(CompileError, match=rf"{decision}.*compile=False"):
+            autoshard.parallelize(model, _every_segment(decision), device_mesh(MESH), graph=_graph("gpt2-tiny"),
+                                  compile=True)
+
+    on_all_ranks(f"{decision} plan with compile=True", run)
 
 
 def _counter_error() -> None:
@@ -214,3 +253,18 @@ def test_bad_compile_argument_is_a_clear_error():
     with pytest.raises(ArgumentError, match=r"compile must be True, False or a dict of torch.compile options"):
         autoshard.parallelize(model, _plan("mlp", "megatron"), device_mesh(MESH), graph=_graph("mlp"),
                               compile="inductor")
+
+
+def _batchnorm_state_error() -> None:
+    model, args, kwargs = build_model("cnn", device="cpu", batch=8)
+    graph = capture_meta(model, args, kwargs, name="cnn")
+    plan = autoshard.plan_once(graph, mesh=MESH, hardware="cpu-gloo", baseline="data_parallel")
+    plan.segments = {segment: "recompute" for segment in plan.segments}
+    assert plan.segments, "the CNN plan should have segments to recompute"
+    with pytest.raises(CompileError, match=r"updates module state.*compile=False"):
+        autoshard.parallelize(model, plan, device_mesh(MESH), graph=graph, compile=True)
+
+
+def test_recomputed_module_state_is_a_clear_error():
+    """A recomputed region that updates BatchNorm statistics would update them twice compiled."""
+    on_all_ranks("cnn (BatchNorm) recompute with compile=True", _batchnorm_state_error)
