@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from runtime_speed import BATCH, HARDWARE, MODELS, SEQ, Config, build, plan_info, plan_on_rank0, run_rounds, stats  # noqa: E402
+from runtime_speed import (BATCH, HARDWARE, MODELS, SEQ, Config, build, plan_info,  # noqa: E402
+                           plan_on_rank0, run_rounds, stats)
 
 # (model, baseline or None for the solved plan, outputs)
 CASES = [("gpt2", None, "local"), ("gpt2", "megatron", "global"), ("llama", "megatron", "global"),

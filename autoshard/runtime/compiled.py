@@ -22,8 +22,9 @@ the functional ones too). What the compiled backward recomputes inside a region 
 AOTAutograd's partitioner under the regions' recompute tags, not by the generated code: on Megatron
 GPT-2 (tests/distributed/test_compile.py) it re-runs the same all-gathers as eager recompute plus
 one all-reduce. Not compiled (:class:`CompileError` at ``parallelize``, naming the feature):
-selective runs, partitioned checkpoints and host offload (saved-tensor hooks, eager collectives in
-the partitioned restore), and recompute regions that update module state (BatchNorm statistics).
+host offload (saved-tensor hooks), partitioned checkpoints (their restore runs eager collectives),
+selective runs (checkpoint regions too, not yet checked compiled), and recompute regions that update
+module state (BatchNorm statistics, which the compiled backward would update again).
 
 Differences from the eager program, by design: ``comm.counter`` cannot count collectives that run
 inside a compiled graph, so calling the compiled program while the counter records is a
@@ -149,7 +150,8 @@ class _Reshard(torch.autograd.Function):
     """The plan's forward moves forward, its backward moves on the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: Layout, fwd: tuple[Move, ...], bwd: tuple[Move, ...]):  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, layout: Layout,  # type: ignore[override]
+                fwd: tuple[Move, ...], bwd: tuple[Move, ...]):
         ctx.layout, ctx.bwd = layout, bwd
         return run_moves(x, fwd, layout)
 
@@ -295,10 +297,11 @@ def check_compilable(plan: Plan, module: fx.GraphModule) -> None:
     if kinds:
         what = ", ".join(f"{n} node(s) {d}" for d, n in sorted(kinds.items()))
         raise CompileError(f"parallelize(compile=True) cannot compile these activation memory decisions of plan "
-                           f"{plan.model_name!r} ({what}): their generated regions (partitioned checkpoints, "
-                           f"selective runs, host offload through saved-tensor hooks) do not trace yet; only "
-                           f"'recompute' segments compile. Run it with compile=False, or re-plan so that every "
-                           f"activation is kept or recomputed (a larger memory_budget, or a baseline plan).")
+                           f"{plan.model_name!r} ({what}): host offload (saved-tensor hooks) and partitioned "
+                           f"checkpoints (eager collectives) do not trace, selective runs are not checked compiled "
+                           f"yet; only 'recompute' segments compile. Run it with compile=False, or re-plan so "
+                           f"that every activation is kept or recomputed (a larger memory_budget, or a baseline "
+                           f"plan).")
     for gm in module.modules():
         if isinstance(gm, fx.GraphModule) and any(n.target is update_state_once for n in gm.graph.nodes):
             raise CompileError(f"parallelize(compile=True) cannot compile plan {plan.model_name!r}: a recomputed "
