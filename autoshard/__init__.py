@@ -18,6 +18,7 @@ from .plans import PLAN_FORMAT_VERSION, ModeError, Plan, PlanError, PlanMismatch
 from .errors import ArgumentError, BudgetError, InfeasibleBudgetError
 from .runtime.inputs import InputError
 from .runtime.replicas import ReplicaMismatchError
+from .runtime.compiled import CompileError
 from .runtime.step_watch import SkippedBackwardError
 from .runtime.plan_once import RemotePlanError, plan_once
 from .runtime import (AutoChunkError, autochunk, offload_parameters, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
@@ -34,7 +35,7 @@ __all__ = [
     "plan", "CommCounter", "ParallelModule", "PlanDisagreementError", "init_mesh", "load_checkpoint",
     "parallelize", "save_checkpoint", "SavedTensorMeter", "apply_memory_annotations",
     "AutoChunkError", "autochunk", "offload_parameters",
-    "ArgumentError", "InputError", "ModeError", "ReplicaMismatchError", "SkippedBackwardError", "RemotePlanError", "plan_once",
+    "ArgumentError", "CompileError", "InputError", "ModeError", "ReplicaMismatchError", "SkippedBackwardError", "RemotePlanError", "plan_once",
 ]
 
 

@@ -33,6 +33,7 @@ from ..precision import cast_input, cast_inputs, precision_copy
 from ..progress import Progress
 from ..specs import ShardSpec
 from .collectives import CommCounter, MeshComm, gather_whole, shard_input
+from .compiled import CompiledProgram, compile_options, compile_program
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
@@ -52,7 +53,8 @@ class PlanDisagreementError(PlanError):
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
                 input_mode: str = "global", checkpoint: str | None = None,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, graph: CapturedGraph | None = None,
-                replicas: str = "check", check_inputs: str = "first", progress: bool = False) -> "ParallelModule":
+                replicas: str = "check", check_inputs: str = "first", progress: bool = False,
+                compile: bool | Mapping[str, Any] = False) -> "ParallelModule":
     """The module this rank runs: ``model`` sharded and executed as ``plan`` says.
 
     ``mesh``: the ``DeviceMesh`` of :func:`autoshard.init_mesh` (its shape must be the plan's).
@@ -79,6 +81,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     rank's word at each call and all raise at the same call. Every rank skipping backward
     (evaluation under grad mode) is fine. ``progress``: rank 0 reports each stage (capture, plan
     check, lowering, parameter shards) on stderr (:mod:`autoshard.progress`).
+    ``compile``: ``True`` runs the generated program through ``torch.compile`` (inductor,
+    ``dynamic=False``), a dict passes those ``torch.compile`` options instead (e.g.
+    ``{"backend": "aot_eager", "fullgraph": True}``). The compiled program is the same program with
+    its collectives written as functional collectives inside autograd functions that trace, so dynamo
+    captures the whole forward in one graph (no graph break from a collective) and AOTAutograd its
+    backward; the bucketed gradient all-reduce, input checks and step watch stay eager around it. It
+    compiles at the first call in each mode; losses and gradients equal the eager program's within
+    fp32 reassociation. ``recompute`` segments compile (what backward recomputes in them is then
+    AOTAutograd's choice under the regions' recompute tags). Not supported, a
+    :class:`~autoshard.runtime.compiled.CompileError` naming what to do: selective, partitioned and
+    offload decisions, recomputed regions that update module state (BatchNorm statistics), and
+    calling it while ``pmodel.comm.counter`` records (collectives inside a compiled graph are not
+    counted). Collectives inside the compiled graph wait up to the process group's timeout, not through
+    the skipped-backward watch (see :mod:`autoshard.runtime.compiled`).
     Collective: every rank of the mesh must call it.
 
     Inputs bind as they bind to the model's ``forward``: ``pmodel(x)`` and ``pmodel(x=x)`` are the same
@@ -109,7 +125,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     """
     return ParallelModule(model, plan, mesh, args=args, kwargs=kwargs, input_mode=input_mode,
                           checkpoint=checkpoint, bucket_bytes=bucket_bytes, graph=graph, replicas=replicas,
-                          check_inputs=check_inputs, progress=progress)
+                          check_inputs=check_inputs, progress=progress, compile=compile)
 
 
 @dataclass
@@ -123,6 +139,7 @@ class _Mode:
     out_spec: Any
     random: list[str]
     constants: dict[str, torch.Tensor]     # placeholder -> this rank's block of a lifted tensor constant
+    run: Any                               # what runs the program: its module, or its CompiledProgram
 
 
 class ParallelModule(nn.Module):
@@ -132,15 +149,17 @@ class ParallelModule(nn.Module):
     recording every collective), ``program`` (the generated ``fx.GraphModule`` of the current mode),
     ``code`` (its Python source), ``graph`` (the captured graph the plan was applied to, current
     mode), ``output_specs`` (the layout of each flat output as returned: replicated, or this rank's
-    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree).
+    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree),
+    ``compiled`` (the current mode's compiled program with ``compile=True``, else None).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
                  kwargs: Mapping[str, Any] | None = None, input_mode: str = "global",
                  checkpoint: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  graph: CapturedGraph | None = None, replicas: str = "check", check_inputs: str = "first",
-                 progress: bool = False) -> None:
+                 progress: bool = False, compile: bool | Mapping[str, Any] = False) -> None:
         super().__init__()
+        self._compile = compile_options(compile)
         _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
@@ -198,8 +217,10 @@ class ParallelModule(nn.Module):
         program = lower(graph, plan, self.comm, self.device, input_mode=self.input_mode)
         in_spec = graph.exported.call_spec.in_spec
         binder = InputBinder(self._signature, in_spec)
+        run = program.module if self._compile is None else \
+            compile_program(program.module, self.comm, plan, self._compile)
         return _Mode(graph, plan, program, binder, graph.exported.call_spec.out_spec, random_nodes(graph.graph.nodes),
-                     self._local_constants(graph, program))
+                     self._local_constants(graph, program), run)
 
     def _local_constants(self, graph: CapturedGraph, program: LocalProgram) -> dict[str, torch.Tensor]:
         """This rank's block of each lifted tensor constant of ``program`` (values from the plan's
@@ -267,6 +288,13 @@ class ParallelModule(nn.Module):
     def program(self) -> Any:
         """The generated ``fx.GraphModule`` of the current mode."""
         return self._mode(self.training).program.module
+
+    @property
+    def compiled(self) -> CompiledProgram | None:
+        """The compiled program of the current mode (``compile=True``; its ``functional`` is the
+        uncompiled program on functional collectives), or None."""
+        run = self._mode(self.training).run
+        return run if isinstance(run, CompiledProgram) else None
 
     @property
     def placeholders(self) -> list[PlaceholderInfo]:
@@ -359,7 +387,7 @@ class ParallelModule(nn.Module):
             agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
                           wait=self.comm.wait if self._watch is not None and self._watch.poll else None)
         self._checked_modes.add(self.training)
-        out = mode.program.module(*feeds)
+        out = mode.run(*feeds)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         mp = self.plan.mixed_precision
         if mp is not None and mp.output is not None:      # FSDP2's output_dtype
