@@ -124,11 +124,11 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) 
         inputs=[str(x) for x in inputs],
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
-        collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
+        collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), str(c.phase), c.operand,
                                      float(c.cost), bool(c.bucketed)) for c in s.comm],
         memory={"params": int(m.params) if stores else 0, "grads": int(m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
-        operands=list(ns.operand_nodes),
+        operands=list(ns.operand_nodes), tags=[str(t) for t in s.tags], split=int(s.split),
     )
 
 
@@ -356,7 +356,7 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         add("reduce_scatter", axes, BWD, nbytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
-    return [CommEntry(kind, list(axes), phase, n, count)
+    return [CommEntry(kind, list(axes), str(phase), n, count)
             for (kind, axes, phase), (n, count) in sorted(totals.items())]
 
 
