@@ -150,10 +150,10 @@ class Strategy:
         for a spec) on an entry with a malformed spec or an unknown phase."""
         comm = tuple(CommAction(c.kind, tuple(c.axes), c.nbytes, Phase(c.phase), c.operand, c.cost, c.bucketed)
                      for c in entry.collectives)
+        memory = MemoryCost(**{f.name: entry.memory.get(f.name, 0) for f in fields(MemoryCost)})
         return cls(name=entry.strategy, input_specs=tuple(entry.input_specs()),
                    output_specs=tuple(entry.output_specs()), compute_fwd=entry.compute_fwd,
-                   compute_bwd=entry.compute_bwd, comm=comm, memory=MemoryCost(**{f.name: entry.memory.get(f.name, 0) for f in fields(MemoryCost)}),
-                   split=entry.split, tags=tuple(entry.tags))
+                   compute_bwd=entry.compute_bwd, comm=comm, memory=memory, split=entry.split, tags=tuple(entry.tags))
 
 
 def replicate_option(n_inputs: int, n_outputs: int) -> AxisOption:

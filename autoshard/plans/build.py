@@ -12,7 +12,7 @@ import datetime
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..decisions import RECOMPUTING
+from ..decisions import RECOMPUTING, Decision
 from ..opinfo import OpInfo
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
@@ -48,7 +48,7 @@ def plan_from_solution(cg: CostGraph, solution: Solution, *, model_name: str, op
     decisions = {seg: str(d) for seg, d in solution.decisions.items()}
     runs = _selective_runs(cg, decisions)
     memory = {k: float(v) for k, v in solution.memory.to_dict().items()}
-    if "offload" in decisions.values():
+    if Decision.OFFLOAD in decisions.values():
         memory["offloaded"] = float(_offloaded_bytes(cg, nodes.values(), decisions, reshards))
     return Plan(
         format_version=PLAN_FORMAT_VERSION,
@@ -202,7 +202,7 @@ def _step_entry(step: ReshardStep) -> StepEntry:
 
 def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str, list[int], int]]:
     """(segment, axes, bytes) of the all-gathers that rebuild partitioned checkpoints."""
-    parted = {seg for seg, d in solution.decisions.items() if d == "partitioned"}
+    parted = {seg for seg, d in solution.decisions.items() if d == Decision.PARTITIONED}
     if not parted:
         return []
     mesh_shape = cg.mesh.shape
@@ -233,7 +233,7 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
     seen: dict[str, set[tuple]] = defaultdict(set)
     total = 0
     for node in nodes:
-        if node.kind != "call_function" or decisions.get(node.segment or "") != "offload":
+        if node.kind != "call_function" or decisions.get(node.segment or "") != Decision.OFFLOAD:
             continue
         total += node.memory["saved"]
         op = OpInfo(graph.node(node.name), graph, mesh)
@@ -268,10 +268,10 @@ def _saved_operand_key(consumer: str, index: int, operand: "fx.Node", resharded:
 
 def _selective_runs(cg: "CostGraph", decisions: dict[str, str]) -> dict[str, list[list[str]]]:
     """Per selective segment, the graph nodes of each run it recomputes."""
-    if "selective" not in decisions.values():
+    if Decision.SELECTIVE not in decisions.values():
         return {}
     return {seg.name: [list(run.nodes) for run in seg.runs] for seg in memory_segments(cg)
-            if decisions.get(seg.name) == "selective"}
+            if decisions.get(seg.name) == Decision.SELECTIVE}
 
 
 
