@@ -69,6 +69,7 @@ def test_each_entry_rebuilds_the_chosen_strategy_exactly(gpt2, tmp_path, baselin
         rebuilt = Strategy.from_plan(entry)
         assert rebuilt == dataclasses.replace(chosen, memory=rebuilt.memory), name
         assert rebuilt.tags == chosen.tags, name
+        assert (rebuilt.memory.saved, rebuilt.memory.outputs) == (chosen.memory.saved, chosen.memory.outputs), name
         assert all(isinstance(c.phase, Phase) for c in rebuilt.comm)
         tags.update(rebuilt.tags)
     if baseline == "megatron":        # the tags kernels read are there
