@@ -8,10 +8,24 @@ memory-bound runs (see :mod:`autoshard.solver.selective`).
 """
 from __future__ import annotations
 
-__all__ = ["DECISIONS", "RECOMPUTING"]
+from .phases import StrEnum
 
-DECISIONS = ("keep", "recompute", "offload", "partitioned", "selective")
+__all__ = ["DECISIONS", "Decision", "RECOMPUTING"]
+
+
+class Decision(StrEnum):
+    """A segment's memory decision; a member equals its string (``Decision.KEEP == "keep"``), so
+    plans keep plain strings in JSON."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+    PARTITIONED = "partitioned"
+    SELECTIVE = "selective"
+
+
+DECISIONS: tuple[Decision, ...] = tuple(Decision)
 """Every memory decision, in the order the solver and plan list them."""
 
-RECOMPUTING = ("recompute", "partitioned", "selective")
+RECOMPUTING: tuple[Decision, ...] = (Decision.RECOMPUTE, Decision.PARTITIONED, Decision.SELECTIVE)
 """The decisions whose segment's forward (or part of it) runs again in backward."""

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from .phases import Phase
 from .units import parse_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
@@ -64,7 +65,7 @@ COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "norm": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
-PHASES = ("fwd", "bwd")
+PHASES = (Phase.FWD, Phase.BWD)
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,14 @@ class ComputeCurve:
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
 
-    def seconds(self, work: float, phase: str) -> float:
+    def seconds(self, work: float, phase: Phase) -> float:
         """Time at ``work``: log-log interpolation, the first point's time below (the per-op floor),
         the last point's rate (seconds per unit of work) above."""
         if phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
         if not (work >= 0 and math.isfinite(work)):
             raise ValueError(f"work must be a finite non-negative number, got {work!r}")
-        times = self.fwd if phase == "fwd" else self.bwd
+        times = self.fwd if phase == Phase.FWD else self.bwd
         xs = self.work
         if work <= xs[0]:
             return times[0]
@@ -137,7 +138,7 @@ class HardwareProfile:
             return self.peak_flops[dtype_name]
         return self.peak_flops.get("float32", min(self.peak_flops.values()))
 
-    def op_seconds(self, family: str, work: float, phase: str, dtype: str) -> float | None:
+    def op_seconds(self, family: str, work: float, phase: Phase, dtype: str) -> float | None:
         """Measured seconds of one ``family`` op of forward ``work`` (FLOPs or bytes, see
         :data:`COMPUTE_FAMILIES`) in ``phase`` ('fwd' or 'bwd'); None when this profile has no
         measurement for ``dtype`` and ``family`` (use the roofline then)."""

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .mesh import MeshSpec
+from .phases import Phase
 from .specs import ShardSpec
 
 if TYPE_CHECKING:
     from .capture import TensorMeta
     from .hardware import HardwareProfile
     from .opinfo import OpInfo, OpProfile
+    from .plans.schema import NodePlan
 
 PARTIAL = "P"
 """Output marker in an :class:`AxisOption`: the output is a pending sum over that axis."""
 
-FWD, BWD = "fwd", "bwd"
+FWD, BWD = Phase.FWD, Phase.BWD
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class ExtraComm:
     """
 
     kind: str
-    phase: str
+    phase: Phase
     nbytes: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec]], int]
     what: str
 
@@ -75,7 +77,7 @@ class CommAction:
     kind: str
     axes: tuple[int, ...]
     nbytes: int
-    phase: str
+    phase: Phase
     operand: str          # "out0", "in1", ... : which tensor it moves (or a description)
     cost: float           # seconds
     bucketed: bool = False  # a parameter's gradient all-reduce: the runtime batches these into
@@ -114,12 +116,12 @@ class Strategy:
     def output_spec(self) -> ShardSpec | None:
         return self.output_specs[0] if self.output_specs else None
 
-    def comm_time(self, phase: str | None = None) -> float:
+    def comm_time(self, phase: Phase | None = None) -> float:
         """Seconds of this strategy's own collectives (all, or one phase's), bucketed gradient
         all-reduces priced one by one (the step-time model prices them as buckets)."""
         return sum(c.cost for c in self.comm if phase is None or c.phase == phase)
 
-    def blocking_comm_time(self, phase: str) -> float:
+    def blocking_comm_time(self, phase: Phase) -> float:
         """Seconds of the collectives of ``phase`` that run inline (all but bucketed gradient sync)."""
         return sum(c.cost for c in self.comm if c.phase == phase and not c.bucketed)
 
@@ -138,6 +140,20 @@ class Strategy:
             "comm": [c.__dict__ for c in self.comm],
             "memory": self.memory.__dict__,
         }
+
+    @classmethod
+    def from_plan(cls, entry: "NodePlan") -> "Strategy":
+        """The strategy a plan entry records, rebuilt from the entry alone (nothing is enumerated):
+        its specs, per-axis option tags, split and collectives as the handler's kernel and the
+        runtime read them, its costs as the plan counts them (a node's parameter memory is counted
+        at the parameter's placeholder). Raises ``ValueError`` (a :class:`~autoshard.specs.SpecError`
+        for a spec) on an entry with a malformed spec or an unknown phase."""
+        comm = tuple(CommAction(c.kind, tuple(c.axes), c.nbytes, Phase(c.phase), c.operand, c.cost, c.bucketed)
+                     for c in entry.collectives)
+        memory = MemoryCost(**{f.name: entry.memory.get(f.name, 0) for f in fields(MemoryCost)})
+        return cls(name=entry.strategy, input_specs=tuple(entry.input_specs()),
+                   output_specs=tuple(entry.output_specs()), compute_fwd=entry.compute_fwd,
+                   compute_bwd=entry.compute_bwd, comm=comm, memory=memory, split=entry.split, tags=tuple(entry.tags))
 
 
 def replicate_option(n_inputs: int, n_outputs: int) -> AxisOption:
@@ -255,7 +271,7 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
     mesh_shape = op.mesh.shape
     actions: list[CommAction] = []
 
-    def add(kind: str, axes: Sequence[int], nbytes: int, phase: str, operand: str, bucketed: bool = False) -> None:
+    def add(kind: str, axes: Sequence[int], nbytes: int, phase: Phase, operand: str, bucketed: bool = False) -> None:
         axes = tuple(a for a in sorted(axes) if mesh_shape[a] > 1)
         if axes and nbytes:
             actions.append(CommAction(kind, axes, nbytes, phase, operand,
@@ -300,7 +316,7 @@ _CURVES_OF_FAMILY = {"matmul": ("matmul",), "conv": ("conv", "matmul"), "attenti
                      "norm": ("norm",), "loss": ("loss",)}
 
 
-def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: str, profile: "OpProfile",
+def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",
                     split: int, io_bytes: int) -> float:
     """Seconds of ``phase`` of the local shard of ``op``, whose computation is divided over ``split``
     devices and whose local forward operands and outputs take ``io_bytes``.

@@ -1,17 +1,23 @@
 """Shared helpers for handler tests: real per-node values, and checking every strategy of a node."""
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Any, Callable, Sequence
+
+import pytest
 
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+import autoshard.enumerate
+import autoshard.strategy
 from autoshard.capture import CapturedGraph, capture
 from autoshard.enumerate import node_strategies
 from autoshard.handlers import handler_for
+from autoshard.handlers.registry import REGISTRY
 from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
 from autoshard.opinfo import OpInfo
@@ -116,3 +122,19 @@ def check_all_strategies(graph: CapturedGraph, node: fx.Node, values: dict[str, 
     for s in ns.strategies:
         check_strategy(op, handler, s, vals)
     return ns.strategies
+
+
+def no_enumeration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every way to enumerate strategies raise (the enumerator, the expander, each handler's
+    per-axis rules): what runs afterwards must work from a plan alone."""
+    def refuse(what: str) -> Callable:
+        def raiser(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"strategies were enumerated after planning: {what} was called")
+        return raiser
+
+    monkeypatch.setattr(autoshard.enumerate, "node_strategies", refuse("enumerate.node_strategies"))
+    monkeypatch.setattr(autoshard.enumerate, "enumerate_strategies", refuse("enumerate.enumerate_strategies"))
+    monkeypatch.setattr(autoshard.enumerate, "expand", refuse("strategy.expand"))
+    monkeypatch.setattr(autoshard.strategy, "expand", refuse("strategy.expand"))
+    for target, handler in list(REGISTRY.items()):
+        monkeypatch.setitem(REGISTRY, target, dataclasses.replace(handler, rules=refuse(f"the {handler.family} rules")))

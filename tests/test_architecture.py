@@ -170,3 +170,13 @@ def test_no_import_cycles() -> None:
     if cycle:
         steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
         pytest.fail("autoshard modules import each other around a cycle:\n  " + "\n  ".join(steps))
+
+
+def test_the_runtime_imports_no_strategy_enumeration() -> None:
+    """The runtime lowers each node from the plan's stored decision (Strategy.from_plan): no runtime
+    module imports the enumerator (the behaviour is tests/test_plan_contract.py)."""
+    graph = import_graph()
+    runtime = [m for m in graph if m == "autoshard.runtime" or m.startswith("autoshard.runtime.")]
+    assert "autoshard.runtime.lower" in runtime
+    importing = {m: graph[m]["autoshard.enumerate"] for m in runtime if "autoshard.enumerate" in graph[m]}
+    assert not importing, f"runtime modules that import autoshard.enumerate (module: line): {importing}"

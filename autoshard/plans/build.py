@@ -12,7 +12,7 @@ import datetime
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..decisions import RECOMPUTING
+from ..decisions import RECOMPUTING, Decision
 from ..opinfo import OpInfo
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
@@ -48,7 +48,7 @@ def plan_from_solution(cg: CostGraph, solution: Solution, *, model_name: str, op
     decisions = {seg: str(d) for seg, d in solution.decisions.items()}
     runs = _selective_runs(cg, decisions)
     memory = {k: float(v) for k, v in solution.memory.to_dict().items()}
-    if "offload" in decisions.values():
+    if Decision.OFFLOAD in decisions.values():
         memory["offloaded"] = float(_offloaded_bytes(cg, nodes.values(), decisions, reshards))
     return Plan(
         format_version=PLAN_FORMAT_VERSION,
@@ -133,12 +133,12 @@ def _node_plan(cg: "CostGraph", name: str, s: Strategy, choice: dict[str, int]) 
         inputs=[str(x) for x in inputs],
         outputs=[None if x is None else str(x) for x in s.output_specs],
         compute_fwd=float(s.compute_fwd), compute_bwd=float(s.compute_bwd),
-        collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), c.phase, c.operand,
+        collectives=[CollectiveEntry(c.kind, [int(a) for a in c.axes], int(c.nbytes), str(c.phase), c.operand,
                                      float(c.cost), bool(c.bucketed)) for c in map(cg.as_run, s.comm)],
         memory={"params": _stored(cg, name, m.params) if stores else 0,
                 "grads": _stored(cg, name, m.grads) if stores else 0,
                 "saved": int(m.saved), "outputs": int(m.outputs)},
-        operands=list(ns.operand_nodes),
+        operands=list(ns.operand_nodes), tags=[str(t) for t in s.tags], split=int(s.split),
     )
 
 
@@ -212,7 +212,7 @@ def _step_entry(step: ReshardStep) -> StepEntry:
 
 def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str, list[int], int]]:
     """(segment, axes, bytes) of the all-gathers that rebuild partitioned checkpoints."""
-    parted = {seg for seg, d in solution.decisions.items() if d == "partitioned"}
+    parted = {seg for seg, d in solution.decisions.items() if d == Decision.PARTITIONED}
     if not parted:
         return []
     mesh_shape = cg.mesh.shape
@@ -243,7 +243,7 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
     seen: dict[str, set[tuple]] = defaultdict(set)
     total = 0
     for node in nodes:
-        if node.kind != "call_function" or decisions.get(node.segment or "") != "offload":
+        if node.kind != "call_function" or decisions.get(node.segment or "") != Decision.OFFLOAD:
             continue
         total += node.memory["saved"]
         op = OpInfo(graph.node(node.name), graph, mesh)
@@ -278,10 +278,10 @@ def _saved_operand_key(consumer: str, index: int, operand: "fx.Node", resharded:
 
 def _selective_runs(cg: "CostGraph", decisions: dict[str, str]) -> dict[str, list[list[str]]]:
     """Per selective segment, the graph nodes of each run it recomputes."""
-    if "selective" not in decisions.values():
+    if Decision.SELECTIVE not in decisions.values():
         return {}
     return {seg.name: [list(run.nodes) for run in seg.runs] for seg in memory_segments(cg)
-            if decisions.get(seg.name) == "selective"}
+            if decisions.get(seg.name) == Decision.SELECTIVE}
 
 
 
@@ -369,7 +369,7 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         add("reduce_scatter", axes, BWD, grad_bytes)
     for _, axes, nbytes in gathers:
         add("all_gather", axes, RECOMPUTE, nbytes)
-    return [CommEntry(kind, list(axes), phase, n, count)
+    return [CommEntry(kind, list(axes), str(phase), n, count)
             for (kind, axes, phase), (n, count) in sorted(totals.items())]
 
 

@@ -4,6 +4,7 @@ made JSON-able. Nothing here knows the plan's fields: :mod:`.schema` declares th
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -65,7 +66,10 @@ def parse_constant(name: str) -> Any:
 
 
 def jsonable(x: Any) -> Any:
-    """Tuples to lists, numpy scalars to Python numbers, recursively (JSON round-trips equal)."""
+    """Tuples to lists, numpy scalars to Python numbers, enum members to their values, recursively
+    (JSON round-trips equal)."""
+    if isinstance(x, enum.Enum):
+        return x.value
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..decisions import DECISIONS
+from ..decisions import DECISIONS, Decision
 from ..enumerate import OUTPUT_MODES
 from ..hardware import HardwareError, HardwareProfile
+from ..phases import Phase
 from ..precision import MixedPrecision
 from ..reshard import SPLIT, TO_PARTIAL
 from ..specs import ShardSpec, SpecError
@@ -47,10 +48,14 @@ __all__ = [
     "SolverReport", "StepEntry", "check_decision", "node_memory_regions",
 ]
 
-PLAN_FORMAT_VERSION = 1
-"""Version of the JSON layout. Bump it on any incompatible change to the fields below."""
+PLAN_FORMAT_VERSION = 2
+"""Version of the JSON layout. Bump it on any incompatible change to the fields below.
 
-RECOMPUTE = "recompute"
+Version 2 records each node's decision structurally (:class:`NodePlan`'s ``tags`` and ``split``
+with its specs and collectives), which is all the runtime reads; version 1 named the strategy only,
+and the runtime enumerated the node's strategies again to find it."""
+
+RECOMPUTE = Phase.RECOMPUTE
 """Phase of collectives re-run when a recomputed segment's forward runs again in backward."""
 
 
@@ -72,9 +77,16 @@ class NodePlan:
     """The decision for one graph node and its modeled costs.
 
     ``kind``: the fx op (placeholder, call_function, output). ``fqn``: the parameter/buffer FQN
-    or user-input path of a placeholder. ``inputs``/``outputs``: spec strings
-    (:meth:`ShardSpec.parse` reads them; ``None`` for a non-tensor output). ``memory``: bytes
-    per device (``params``, ``grads``, ``saved``, ``outputs``).
+    or user-input path of a placeholder. ``strategy``: the strategy's name, for people. The
+    decision itself is structural, all the runtime needs to run the node with its handler's kernel
+    (:meth:`autoshard.strategy.Strategy.from_plan` rebuilds it; nothing is enumerated again):
+    ``inputs``/``outputs``, spec strings (:meth:`ShardSpec.parse` reads them back exactly;
+    ``None`` for a non-tensor output); ``tags``, per mesh axis the tag of the handler's per-axis
+    option that axis takes (``"R"``: replicated; what a kernel special-cases, e.g. ``"k"`` for a
+    matmul whose contracted dim is sharded; one per mesh axis for a call node, none for the
+    others); ``split``, the devices the computation is divided over; ``collectives``, the node's
+    own collectives (a partial output's all-reduce, an operand's gradient all-reduce, a kernel's
+    own). ``memory``: bytes per device (``params``, ``grads``, ``saved``, ``outputs``).
     """
 
     name: str
@@ -91,6 +103,8 @@ class NodePlan:
     collectives: list[CollectiveEntry]
     memory: dict[str, int]
     operands: list[str] = dataclasses.field(default_factory=list)   # producer node of each tensor operand
+    tags: list[str] = dataclasses.field(default_factory=list)
+    split: int = 1
 
     @property
     def comm_seconds(self) -> float:
@@ -266,6 +280,11 @@ class Plan:
         version = data.get("format_version")
         if version is None:
             raise PlanError(f"{source} is not an autoshard plan: it has no 'format_version'. {_REPLAN}")
+        if version == 1:
+            raise PlanError(f"{source} has plan format version 1, which names each node's strategy but does not "
+                            f"record the decision itself (per-axis option tags, split) that the runtime now runs "
+                            f"from; this autoshard reads version {PLAN_FORMAT_VERSION}. {_REPLAN} with this version "
+                            f"of autoshard.")
         if version != PLAN_FORMAT_VERSION:
             raise PlanError(f"{source} has plan format version {version!r}, this autoshard reads version "
                             f"{PLAN_FORMAT_VERSION}. {_REPLAN} with this version of autoshard.")
@@ -342,7 +361,7 @@ class Plan:
                 raise PlanError(f"{source}: node '{node.name}' has a malformed spec ({e}). {_REPLAN}.") from None
         for seg, decision in self.segments.items():
             check_decision(seg, decision, f"{source}: ")
-            if decision == "selective" and not self.recompute_runs.get(seg):
+            if decision == Decision.SELECTIVE and not self.recompute_runs.get(seg):
                 raise PlanError(f"{source}: segment '{seg}' is selective but the plan lists no run to "
                                 f"recompute there. {_REPLAN}.")
         unknown = [n for runs in self.recompute_runs.values() for run in runs for n in run if n not in self.nodes]
@@ -447,11 +466,11 @@ def node_memory_regions(nodes: Iterable[NodePlan], decisions: dict[str, str], ru
     run_of = {n: f"{seg}#{i}" for seg, seg_runs in runs.items() for i, run in enumerate(seg_runs) for n in run}
     out: dict[str, tuple[str, str]] = {}
     for node in nodes:
-        decision = decisions.get(node.segment or "", "keep")
-        if node.kind != "call_function" or decision == "keep":
+        decision = decisions.get(node.segment or "", Decision.KEEP)
+        if node.kind != "call_function" or decision == Decision.KEEP:
             continue
         check_decision(str(node.segment), decision)
-        if decision != "selective":
+        if decision != Decision.SELECTIVE:
             out[node.name] = (str(node.segment), decision)
         elif node.name in run_of:
             out[node.name] = (run_of[node.name], decision)

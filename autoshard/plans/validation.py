@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..phases import Phase
 from ..reshard import MOVE_KINDS, ReshardError, replay_moves
 from ..specs import ShardSpec, SpecError
 from .errors import ModeError, PlanError
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from .schema import Plan, ReshardEntry
 
 NODE_KINDS = ("placeholder", "call_function", "output", "get_attr")
+PHASES = (Phase.FWD, Phase.BWD)
+"""The phases of a node's own collectives (a recomputed forward's are counted by the plan's ``comm``)."""
 _REPLAN = "Re-create the plan (autoshard.plan(...).save(path) or `autoshard plan ... --out path`)"
 
 
@@ -48,7 +51,16 @@ def check_consistency(plan: "Plan", source: str) -> None:
                 raise _error(source, f"node '{key}' reads operand {j} from '{producer}', which comes after it")
         if node.operands and node.kind != "output" and len(node.inputs) != len(node.operands):
             raise _error(source, f"node '{key}' has {len(node.inputs)} input specs for {len(node.operands)} operands")
+        if node.kind == "call_function" and len(node.tags) != len(mesh):
+            raise _error(source, f"node '{key}' records {len(node.tags)} per-axis option tag(s), the {plan.mesh} mesh "
+                                 f"has {len(mesh)} axes")
+        if node.split < 1:
+            raise _error(source, f"node '{key}' has split {node.split}; the devices a computation is divided over "
+                                 f"number at least 1")
         for c in node.collectives:
+            if c.phase not in PHASES:
+                raise _error(source, f"node '{key}' has a {c.kind} in phase {c.phase!r}, not one of "
+                                     f"{', '.join(PHASES)}")
             if not c.axes or any(a not in range(len(mesh)) for a in c.axes):
                 raise _error(source, f"node '{key}' has a {c.kind} over mesh axes {c.axes}; the {plan.mesh} mesh has "
                                      f"axes 0 and 1")

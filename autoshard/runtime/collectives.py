@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm_api import MeshCoordinates
+from ..phases import Phase
 from .param_flag import PARAMETER_FLAG
 from .step_watch import StepWatch
 
-FWD, BWD, RECOMPUTE = "fwd", "bwd", "recompute"
+FWD, BWD, RECOMPUTE = Phase.FWD, Phase.BWD, Phase.RECOMPUTE
 
 Move = tuple[str, int, tuple[int, ...]]
 """One resharding move: (kind, mesh axis, dims) as in :class:`autoshard.reshard.ReshardStep`."""

@@ -1,7 +1,8 @@
 """Lower a plan to the local program of one rank: an fx graph over local shards with collectives.
 
 Every graph node runs its handler's local kernel (:class:`autoshard.handlers.registry.LocalKernel`)
-under the plan's strategy. Around it the generated code inserts, by name:
+under the plan's decision for it, rebuilt from the plan entry alone (:func:`check_decision`; no
+strategy is enumerated again). Around it the generated code inserts, by name:
 
 - ``reshard(x, comm, fwd=..., bwd=...)`` where the producer's output spec differs from the
   consumer's input spec (the plan's forward moves; the gradient takes the plan's backward moves);
@@ -33,14 +34,14 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture import CapturedGraph
-from ..enumerate import node_strategies
+from ..decisions import Decision
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel
 from ..mesh import MeshSpec
-from ..opinfo import OpInfo
+from ..opinfo import OpInfo, op_name
 from ..param_gather import ParamGathers, param_uses, plan_param_gathers
-from ..plans import Plan, PlanError, ReshardEntry
+from ..plans import NodePlan, Plan, PlanError, ReshardEntry
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy
 from .activation_codegen import (CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META, STATE_META,
@@ -89,8 +90,6 @@ class _Lowering:
         self.graph, self.plan, self.comm, self.device = graph, plan, comm, device
         self.input_mode = input_mode
         self.mesh = MeshSpec.of(tuple(plan.mesh_shape))
-        self.hw = plan.hardware_profile()
-        self.fallback = "replicate" if plan.fallbacks else "error"
         self.reshards: dict[tuple[str, int], ReshardEntry] = {(r.dst, r.operand): r for r in plan.reshards}
         self.out = fx.Graph()
         self.root = torch.nn.Module()
@@ -99,7 +98,8 @@ class _Lowering:
         self.env: dict[str, Any] = {}          # old node name -> new node (or list, multi-output)
         self.spec_of: dict[str, Any] = {}      # old node name -> output spec (or list)
         self.n_consts = 0
-        self.cache: dict = {}
+        self.ops: dict[str, OpInfo] = {}             # call node -> the node as its handler sees it
+        self.strategies: dict[str, Strategy] = {}    # call node -> the plan's decision, rebuilt and checked
         self.reduction = self._gradient_reduction() if bucket_grads else GradReduction()
         self.gathers = self._param_gathers() if bucket_grads else ParamGathers()
         self.bucketed = {**self.reduction.bucketed, **self.gathers.leftover()}
@@ -154,11 +154,11 @@ class _Lowering:
         new = last.next
         while new is not self.out._root:
             if new.op != "get_attr":
-                if decision == "offload":
+                if decision == Decision.OFFLOAD:
                     new.meta[OFFLOAD_META] = [region, True, True]
                 else:
                     new.meta[CHECKPOINT_META] = region
-                    if decision == "partitioned":
+                    if decision == Decision.PARTITIONED:
                         new.meta[PARTITION_META] = True
             new = new.next
 
@@ -200,7 +200,7 @@ class _Lowering:
     def _call(self, node: fx.Node) -> None:
         strategy = self._strategy(node)
         handler = handler_for(node.target)
-        op = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free))
+        op = self._op(node)
         kernel = (handler.kernel if handler is not None else default_kernel)(op, strategy)
         local: dict[fx.Node, fx.Node] = {}
         for j, operand in enumerate(op.operand_nodes):
@@ -330,18 +330,19 @@ class _Lowering:
             raise LoweringError(f"the plan has no entry for graph node '{name}': it was made for another "
                                 f"graph. Re-plan this model.") from None
 
+    def _op(self, node: fx.Node) -> OpInfo:
+        if node.name not in self.ops:
+            handler = handler_for(node.target)
+            self.ops[node.name] = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free))
+        return self.ops[node.name]
+
     def _strategy(self, node: fx.Node) -> Strategy:
-        entry = self._node_plan(node.name)
-        strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)
-        try:
-            s = strategies.by_name(entry.strategy)
-        except KeyError as e:
-            raise LoweringError(f"node '{node.name}' ({entry.op}, module '{entry.module}'): {e}. The plan was "
-                                f"made by another autoshard version or for another graph; re-plan.") from None
-        if [str(x) for x in s.input_specs] != entry.inputs:
-            raise LoweringError(f"node '{node.name}': strategy {entry.strategy!r} has inputs "
-                                f"{[str(x) for x in s.input_specs]}, the plan says {entry.inputs}; re-plan")
-        return s
+        """The plan's decision for call node ``node``, rebuilt from its entry alone (no strategy is
+        enumerated) and checked against the graph node (:func:`check_decision`)."""
+        if node.name not in self.strategies:
+            entry = self._node_plan(node.name)
+            self.strategies[node.name] = check_decision(entry, self._op(node), bool(self.plan.fallbacks))
+        return self.strategies[node.name]
 
     def _reshard(self, value: fx.Node, entry: ReshardEntry, parameter: bool = False,
                  grad_dtype: torch.dtype | None = None) -> fx.Node:
@@ -448,8 +449,49 @@ class _Lowering:
         return plan_param_gathers(stored, uses, self.comm.mesh_shape)
 
     def _operand_names(self, node: fx.Node) -> list[str]:
-        strategies = node_strategies(self.graph, node, self.mesh, self.hw, fallback=self.fallback, cache=self.cache)
-        return strategies.operand_nodes
+        return [n.name for n in self._op(node).operand_nodes]
+
+
+def check_decision(entry: NodePlan, op: OpInfo, fallbacks: bool) -> Strategy:
+    """The strategy plan entry ``entry`` records for call node ``op`` (see
+    :meth:`Strategy.from_plan`), after checking that it fits the node: one input spec per tensor
+    operand read from the producers the plan names, one output spec per output (None exactly where
+    the node has no tensor output), every spec of the tensor's rank and dividing its shape on the
+    mesh, one option tag per mesh axis, and a handler for the op unless the plan replicates the node
+    as a fallback. :class:`LoweringError` naming the node, op and module otherwise."""
+    def bad(what: str, why: str = "the plan does not fit this graph (edited, or made for another model)") \
+            -> LoweringError:
+        return LoweringError(f"node '{op.node.name}' ({op_name(op.target)}, module "
+                             f"'{op.graph.module_path(op.node) or '<root>'}'): the plan's decision {what}; {why}. "
+                             f"Re-plan this model.")
+
+    try:
+        s = Strategy.from_plan(entry)
+    except ValueError as e:
+        raise bad(f"cannot be read ({e})") from None
+    mesh_shape = op.mesh.shape
+    names = [n.name for n in op.operand_nodes]
+    if len(s.input_specs) != len(names) or (entry.operands and entry.operands != names):
+        raise bad(f"reads {len(s.input_specs)} operand(s) {entry.operands}, the node reads {len(names)} ({names})")
+    if len(s.output_specs) != len(op.outputs):
+        raise bad(f"lays out {len(s.output_specs)} output(s), the node has {len(op.outputs)}")
+    if len(s.tags) != len(mesh_shape):
+        raise bad(f"has {len(s.tags)} per-axis option tag(s) for a mesh of {len(mesh_shape)} axes")
+    tensors = [(f"operand {j}", spec, meta) for j, (spec, meta) in enumerate(zip(s.input_specs, op.operands))]
+    tensors += [(f"output {j}", spec, meta) for j, (spec, meta) in enumerate(zip(s.output_specs, op.outputs))]
+    for what, spec, meta in tensors:
+        if (spec is None) != (meta is None):
+            raise bad(f"gives {what} the layout {spec}, but the node's {what} is "
+                      f"{'not a tensor' if meta is None else f'a tensor of shape {list(meta.shape)}'}")
+        if spec is not None and not spec.fits(meta.shape, mesh_shape):
+            raise bad(f"lays out {what} as {spec}, which does not fit its shape {list(meta.shape)} on the "
+                      f"{'x'.join(map(str, mesh_shape))} mesh")
+    if handler_for(op.target) is None and not (fallbacks and not s.comm and all(
+            spec is None or spec.is_replicated() for spec in (*s.input_specs, *s.output_specs))):
+        raise bad(f"{s.name!r} runs the handler of {op_name(op.target)}",
+                  "none is registered in this process: register the one the plan was made with before "
+                  "parallelize, or re-plan (with fallback='replicate' to run the op replicated)")
+    return s
 
 
 def _comm_axes(strategy: Strategy, phase: str, operand: str, comm: MeshComm) -> tuple[int, ...]:

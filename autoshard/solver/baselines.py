@@ -62,6 +62,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 import torch.fx as fx
 
+from ..decisions import Decision
 from ..specs import ShardSpec
 from .costgraph import CGNode, CostGraph, block_of
 from .ilp import InfeasibleBudgetError, Reshard, SolverOptions, Solution, minimum_budget, solve
@@ -455,7 +456,7 @@ def restriction(cg: CostGraph, name: str, **kwargs) -> Restriction:
 
 
 def _keep(options: SolverOptions) -> SolverOptions:
-    return dataclasses.replace(options, fixed_decision="keep")
+    return dataclasses.replace(options, fixed_decision=Decision.KEEP)
 
 
 def solve_baseline(cg: CostGraph, name: str, options: SolverOptions = SolverOptions(),

@@ -56,6 +56,7 @@ from ..enumerate import StrategyTable
 from ..hardware import HardwareProfile
 from ..mesh import MeshSpec
 from ..opinfo import op_name
+from ..phases import Phase
 from ..reshard import ReshardTable, reshard_table
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, CommAction, MemoryCost, Strategy
@@ -877,7 +878,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: str,
+def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: Phase,
                      label: str) -> tuple[CommAction, ...]:
     if src == dst:
         return ()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ..comm import collective_cost
-from ..decisions import DECISIONS
+from ..decisions import DECISIONS, Decision
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
 from ..specs import replicated_axes
@@ -65,7 +65,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
     for seg in memory_segments(cg):
         held_before = mem.activations
-        dec = decisions.get(seg.name, "keep")
+        dec = decisions.get(seg.name, Decision.KEEP)
         rebuilt = _segment_prediction(cg, seg, dec, choice, t, mem)
         per_segment.append((mem.activations - held_before, rebuilt))
     live = nonsegmented - mem.post_segment           # held until the end of backward
@@ -240,10 +240,10 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
     returns the bytes its backward brings back (recomputed or restored), 0 when none."""
     mesh_shape, hw = cg.mesh.shape, cg.hardware
     A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
-    if dec == "keep":
+    if dec == Decision.KEEP:
         mem.activations += A
         return 0.0
-    if dec == "selective":
+    if dec == Decision.SELECTIVE:
         if not seg.runs:
             raise ValueError(f"segment {seg.name!r} has no memory-bound run that selective "
                              "recomputation could free; keep or recompute it instead")
@@ -252,13 +252,13 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         mem.working_set = max(mem.working_set, *run_saved)
         t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
         return max(run_saved)
-    if dec == "offload" and not hw.device_memory_separate:
+    if dec == Decision.OFFLOAD and not hw.device_memory_separate:
         mem.activations += A               # host memory is device memory: nothing freed
         t.offload += A / hw.host_device_bandwidth   # one copy, not hidden; restore copies nothing
         return 0.0
     F = sum(forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
     mem.working_set = max(mem.working_set, A)
-    if dec == "offload":
+    if dec == Decision.OFFLOAD:
         B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
         bw = hw.host_device_bandwidth
         t.offload += max(0.0, A / bw - F) + max(0.0, A / bw - B)
@@ -271,10 +271,10 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         full += nbytes
         part += nbytes / math.prod(mesh_shape[x] for x in axes)
         gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
-    if dec == "recompute":
+    if dec == Decision.RECOMPUTE:
         mem.activations += full
         t.recompute += F
-    elif dec == "partitioned":
+    elif dec == Decision.PARTITIONED:
         mem.activations += part
         t.recompute += F + gather
     else:

@@ -89,7 +89,7 @@ from typing import Iterable
 import numpy as np
 import pulp
 
-from ..decisions import DECISIONS
+from ..decisions import DECISIONS, Decision
 from ..errors import InfeasibleBudgetError
 from ..specs import replicated_axes
 from ..units import format_bytes
@@ -109,7 +109,7 @@ __all__ = [
     "post_segment_nodes", "predict", "replicated_axes", "solve",
 ]
 
-READOUT_ORDER = ("recompute", "partitioned", "offload", "selective", "keep")
+READOUT_ORDER = (Decision.RECOMPUTE, Decision.PARTITIONED, Decision.OFFLOAD, Decision.SELECTIVE, Decision.KEEP)
 """Where decisions of a class of identical blocks go along the block sequence: the largest
 rebuilds first. A block's saved activations come back in its backward while only the blocks before
 it still hold theirs, so the earliest blocks rebuild with the least memory live."""
@@ -118,7 +118,7 @@ it still hold theirs, so the earliest blocks rebuild with the least memory live.
 KEEP_TIE_US = 1e-3   # ILP objective (us) per segment not kept: breaks exact ties toward keep
 # ... and a partitioned checkpoint ties with recompute where nothing is replicated (a 1x1 mesh):
 # prefer the plain checkpoint then.
-_TIE_WEIGHT = {"recompute": 1.0, "offload": 1.0, "partitioned": 2.0, "selective": 1.0}
+_TIE_WEIGHT = {Decision.RECOMPUTE: 1.0, Decision.OFFLOAD: 1.0, Decision.PARTITIONED: 2.0, Decision.SELECTIVE: 1.0}
 
 
 def _pulp_solver(options: SolverOptions, msg: bool = False):
@@ -209,8 +209,8 @@ def _keep_tie_break(classes: list) -> pulp.LpAffineExpression:
     the fewest blocks before them hold activations)."""
     n = len(classes)      # classes come in the block order of their first segments
     return pulp.lpSum(KEEP_TIE_US * _TIE_WEIGHT[k] * (1.0 + i / n) * v
-                      for i, (_, counts) in enumerate(classes) if "keep" in counts
-                      for k, v in counts.items() if k != "keep" and isinstance(v, pulp.LpVariable))
+                      for i, (_, counts) in enumerate(classes) if Decision.KEEP in counts
+                      for k, v in counts.items() if k != Decision.KEEP and isinstance(v, pulp.LpVariable))
 
 
 def _status(prob: pulp.LpProblem) -> str:

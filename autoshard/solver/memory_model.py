@@ -15,7 +15,7 @@ import numpy as np
 import pulp
 
 from ..comm import collective_cost
-from ..decisions import DECISIONS
+from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..specs import replicated_axes
 from .costgraph import CGEdge
 from .formulation import T, Model, forward_time, held_param_copies
@@ -70,7 +70,7 @@ def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> 
         return [options.fixed_decision]
     allowed = [d for d in DECISIONS if d in options.decisions]
     if not device_memory_separate and len(allowed) > 1:
-        allowed = [d for d in allowed if d != "offload"]
+        allowed = [d for d in allowed if d != Decision.OFFLOAD]
     return allowed
 
 
@@ -223,32 +223,33 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
     when selective), and returns those bounds as (u, form) pairs, u the 0/1 indicator 'some
     segment of the class takes such a decision'; last, the forms of its first segment."""
     n, f = len(segs), _segment_forms(m, segs[0])
-    if not f.run_saved and "selective" in allowed:   # nothing a selective recomputation could free here
-        if allowed == ["selective"]:
+    if not f.run_saved and Decision.SELECTIVE in allowed:   # nothing a selective recomputation frees here
+        if allowed == [Decision.SELECTIVE]:
             raise ValueError(f"segment {segs[0].name!r} has no memory-bound run worth recomputing, so it "
                              "cannot be selective; fix another decision or let the solver choose")
-        allowed = [k for k in allowed if k != "selective"]
+        allowed = [k for k in allowed if k != Decision.SELECTIVE]
     counts = _decision_counts(m, n, allowed)
     separate = m.cg.hardware.device_memory_separate
-    forms = {"keep": [f.saved], "recompute": [f.ckpt, f.fwd], "partitioned": [f.ckpt_part, f.fwd + f.gather],
-             "offload": [f.saved, f.fwd, f.bwd] if separate else [f.saved],
-             "selective": [f.selective_held, f.selective_fwd]}
+    forms = {Decision.KEEP: [f.saved], Decision.RECOMPUTE: [f.ckpt, f.fwd],
+             Decision.PARTITIONED: [f.ckpt_part, f.fwd + f.gather],
+             Decision.OFFLOAD: [f.saved, f.fwd, f.bwd] if separate else [f.saved],
+             Decision.SELECTIVE: [f.selective_held, f.selective_fwd]}
     prods = _decision_products(m, counts, n, {k: forms[k] for k in counts})
     memory, time_terms = [], []
     keep_saved = None
-    if "keep" in counts:
-        (keep_saved,) = prods["keep"]
+    if Decision.KEEP in counts:
+        (keep_saved,) = prods[Decision.KEEP]
         memory.append(keep_saved)
-    for k in ("recompute", "partitioned", "selective"):
+    for k in RECOMPUTING:
         if k in counts:
             held, rec = prods[k]
             memory.append(held)
             time_terms.append(rec)
-    resident = {"keep", "selective"}       # decisions that bring no whole segment back in backward
-    if "offload" in counts:
+    resident = {Decision.KEEP, Decision.SELECTIVE}   # decisions that bring no whole segment back in backward
+    if Decision.OFFLOAD in counts:
         per_unit = m.M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one memory unit
         if separate:
-            saved, fwd, bwd = prods["offload"]
+            saved, fwd, bwd = prods[Decision.OFFLOAD]
             for phase_compute in (fwd, bwd):   # device->host in forward, host->device in backward
                 exposed = m.var(name="off")    # n * max(0, transfer - compute) = max(0, n*transfer - n*compute)
                 m.prob += exposed >= per_unit * saved - phase_compute
@@ -256,18 +257,18 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
         else:
             # Host memory is device memory: the copy frees nothing and nothing hides it. Only
             # offered alone (see _allowed_decisions), so it never shares a class with keep.
-            (saved,) = prods["offload"]
+            (saved,) = prods[Decision.OFFLOAD]
             memory.append(saved)
             time_terms.append(per_unit * saved)
-            resident.add("offload")
+            resident.add(Decision.OFFLOAD)
     bounds = []
     whole = [k for k in counts if k not in resident]
     if whole and f.saved.upper() > 0:
         u = _indicator(m, counts, n, whole)
         bounds.append((u, f.saved))
         m.prob += working >= _whole_working_set(m, u, f.saved, keep_saved, counts, whole)
-    if "selective" in counts:
-        u = _indicator(m, counts, n, ["selective"])
+    if Decision.SELECTIVE in counts:
+        u = _indicator(m, counts, n, [Decision.SELECTIVE])
         for run in f.run_saved:
             bounds.append((u, run))
             m.prob += working >= _products(m, u, 1, [run])[0]
@@ -295,7 +296,7 @@ def _whole_working_set(m: Model, u, saved: _Form, keep_saved, counts: dict, whol
         return u_saved
     if not isinstance(u, pulp.LpAffineExpression):   # u = 1
         return saved.expr(m)
-    if keep_saved is not None and set(counts) == {"keep", *whole}:
+    if keep_saved is not None and set(counts) == {Decision.KEEP, *whole}:
         return saved.expr(m) - keep_saved   # one segment: u = 1 - keep, and keep * saved is at hand
     return pulp.lpSum(_products(m, counts[k], 1, [saved])[0] for k in whole)
 
