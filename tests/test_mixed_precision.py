@@ -181,3 +181,15 @@ def test_other_mode_planned_under_the_same_policy():
     plan = autoshard.plan(model, args, kwargs, mesh=1, mp_policy=BF16, other_mode=True)
     assert plan.other_mode is not None and plan.other_mode.mixed_precision == plan.mixed_precision
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).other_mode.mixed_precision == plan.mixed_precision
+
+
+def test_compiling_a_mixed_precision_plan_is_a_named_error():
+    """compile=True does not run a mixed-precision plan's casts yet: a CompileError saying so, not a
+    compiled program in the wrong dtype."""
+    from autoshard.runtime.compiled import CompileError, check_compilable
+
+    model, x = _mlp()
+    plan = autoshard.plan(model, (x,), mesh=1, mp_policy=BF16)
+    with pytest.raises(CompileError, match="mixed-precision plan"):
+        check_compilable(plan, torch.fx.GraphModule(nn.Module(), torch.fx.Graph()))
+    check_compilable(autoshard.plan(model, (x,), mesh=1), torch.fx.GraphModule(nn.Module(), torch.fx.Graph()))

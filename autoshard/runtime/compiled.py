@@ -289,7 +289,12 @@ COMPILED_DECISIONS = ("recompute",)
 
 def check_compilable(plan: Plan, module: fx.GraphModule) -> None:
     """:class:`CompileError` when the plan has activation memory decisions the compiled path does not
-    run (selective, partitioned, offload), or a recompute region that updates module state."""
+    run (selective, partitioned, offload), a recompute region that updates module state, or mixed
+    precision (its casts and reduce-dtype collectives are not on the functional comm yet)."""
+    if plan.mixed_precision is not None:
+        raise CompileError(f"parallelize(compile=True) cannot compile plan {plan.model_name!r}: it is a mixed-precision "
+                           f"plan (mp_policy), whose casts and reduce-dtype collectives the compiled path does not "
+                           f"run yet. Run it with compile=False, or plan without mp_policy.")
     kinds: dict[str, int] = {}
     for _, decision in plan.memory_regions().values():
         if decision not in COMPILED_DECISIONS:
