@@ -25,7 +25,7 @@ from .plans import Plan
 from .precision import MixedPrecision, cast_inputs, master_dtype_of, precision_copy
 from .plans.build import plan_from_solution
 from .progress import Progress
-from .solver.costgraph import build_cost_graph
+from .solver.costgraph_build import build_cost_graph
 from .solver.ilp import SolverOptions, solve
 from .units import format_bytes, parse_bytes
 

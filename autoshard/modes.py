@@ -36,7 +36,7 @@ def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
     cannot take that layout there."""
     from .enumerate import enumerate_strategies
     from .plans.build import plan_from_solution
-    from .solver.costgraph import build_cost_graph
+    from .solver.costgraph_build import build_cost_graph
     from .solver.fixed import fixed_solution
     from .solver.ilp import SolverOptions
 

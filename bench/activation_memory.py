@@ -70,7 +70,7 @@ from autoshard.plans.build import plan_from_solution  # noqa: E402
 from autoshard.runtime.activation_codegen import (  # noqa: E402
     delegate_pack, delegate_unpack, is_parameter_like, outer_saved_tensors_hooks)
 from autoshard.runtime.memory_meter import SavedTensorMeter  # noqa: E402
-from autoshard.solver.costgraph import build_cost_graph  # noqa: E402
+from autoshard.solver.costgraph_build import build_cost_graph  # noqa: E402
 from autoshard.solver.ilp import (  # noqa: E402
     DECISIONS, InfeasibleBudgetError, SolverOptions, minimum_budget, predict, solve)
 

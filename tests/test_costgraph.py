@@ -206,7 +206,7 @@ def test_followers_merge_into_call_functions_of_their_segment(name):
 def test_merged_follower_choice_is_the_cheapest(name):
     """The heuristic's contract: per producer strategy, the follower strategy minimising
     resharding (fwd + bwd) plus its own time, up to one collective step's latency (the slack
-    within which the producer's layout is preferred, see costgraph._tie_break)."""
+    within which the producer's layout is preferred, see costgraph_build._tie_break)."""
     cg = graph_of(name, merge=True, alias=False)
     mesh, hw = cg.table.mesh.shape, cg.table.hardware
     slack = _merge_slack(cg)

@@ -22,7 +22,7 @@ from autoshard.enumerate import enumerate_strategies
 from autoshard.plans import Plan
 from autoshard.plans.build import plan_from_solution
 from autoshard.runtime import capture_meta
-from autoshard.solver.costgraph import build_cost_graph
+from autoshard.solver.costgraph_build import build_cost_graph
 from autoshard.solver.fixed import fixed_solution
 from autoshard.solver.ilp import SolverOptions
 from autoshard.verify import shard_of

@@ -178,7 +178,7 @@ def _replicated_plan(model: nn.Module) -> autoshard.Plan:
     from autoshard.enumerate import enumerate_strategies
     from autoshard.runtime import capture_meta
     from autoshard.plans.build import plan_from_solution
-    from autoshard.solver.costgraph import build_cost_graph
+    from autoshard.solver.costgraph_build import build_cost_graph
     from autoshard.solver.fixed import fixed_solution
     from autoshard.solver.ilp import SolverOptions
 

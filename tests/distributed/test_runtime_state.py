@@ -295,7 +295,7 @@ def _data_parallel_plan(graph, mesh_shape: tuple[int, int]) -> Plan:
     sum over (0, 1) that the bucketed gradient sync all-reduces. (The ``data_parallel`` baseline is
     the cheapest plan of that family; for a tiny model it computes replicated and syncs nothing.)"""
     from autoshard.enumerate import enumerate_strategies
-    from autoshard.solver.costgraph import build_cost_graph
+    from autoshard.solver.costgraph_build import build_cost_graph
     from autoshard.solver.fixed import fixed_solution
     from autoshard.solver.ilp import SolverOptions
 
