@@ -245,8 +245,9 @@ def test_unknown_baseline_is_an_error():
 
 @pytest.mark.parametrize("hardware", ["cpu-gloo", "h100-nvlink"])
 def test_the_plan_picked_is_no_slower_than_any_baseline_under_the_step_model(hardware):
-    """autoshard.plan returns the ILP's plan or, where the exact step schedule (predict) models a
-    baseline family's best plan faster, that one, and says so in plan.solver.note."""
+    """autoshard.plan returns the ILP's plan or, where the exact step schedule (predict) models the
+    best plan of an arbitrated family faster, that one, and says so in plan.solver.note; the plan is
+    no slower than any family's best, Megatron's (not arbitrated) included."""
     import autoshard
 
     model, args, kwargs = build_model("gpt2-tiny", batch=8, seq=128, n_positions=128, n_embd=128, vocab_size=2048)

@@ -193,7 +193,7 @@ def edge_time_terms(m: Model) -> list:
             terms += _inline_grad_terms(m, eg.count, e, price)
         if not np.any(cost):
             continue
-        term = eg.count * pulp.lpSum(float(cost[a, b]) * m.pair(e, a, b) for a, b in zip(*np.nonzero(cost)))
+        term = weighted_sum((m.pair(e, a, b), eg.count * float(cost[a, b])) for a, b in zip(*np.nonzero(cost)))
         terms.append(term)
         if _penalised(m.reshard, e, m.cg):
             m.unreported.append((RESHARD_PENALTY - 1.0) * term)
@@ -260,9 +260,9 @@ def held_param_copies(m: Model) -> pulp.LpAffineExpression:
     for eg in m.cg.edge_groups():
         price = m.param_prices.get(id(eg.edge))
         if price is not None and np.any(price.held):
-            out += [eg.count * float(price.held[a, b]) / m.M * m.pair(eg.edge, a, b)
+            out += [(m.pair(eg.edge, a, b), eg.count * float(price.held[a, b]) / m.M)
                     for a, b in zip(*np.nonzero(price.held))]
-    return pulp.lpSum(out)
+    return weighted_sum(out)
 
 
 def _penalised(reshard: Reshard, e: CGEdge, cg: CostGraph) -> bool:
@@ -270,6 +270,24 @@ def _penalised(reshard: Reshard, e: CGEdge, cg: CostGraph) -> bool:
     if reshard is True or cg.nodes[e.dst].kind == "output":
         return False
     return reshard is False or e.src not in reshard
+
+
+def weighted_sum(terms: Iterable[tuple[object, float]]) -> pulp.LpAffineExpression:
+    """sum(coefficient * expression) over ``(expression, coefficient)`` pairs, built in one dict:
+    ``pulp.lpSum`` of products makes an expression per term, which dominated building the ILP."""
+    out = pulp.LpAffineExpression()
+    constant = 0.0
+    for expr, coef in terms:
+        if isinstance(expr, pulp.LpVariable):
+            out[expr] = out.get(expr, 0.0) + coef
+        elif isinstance(expr, pulp.LpAffineExpression):
+            for v, k in expr.items():
+                out[v] = out.get(v, 0.0) + coef * k
+            constant += coef * float(expr.constant)
+        else:
+            constant += coef * float(expr)
+    out.constant = constant
+    return out
 
 
 def _marginals(m: Model, node: str, index: np.ndarray, n: int) -> list[pulp.LpAffineExpression]:
