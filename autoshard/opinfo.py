@@ -144,7 +144,7 @@ class OpInfo:
             tuple((m.shape, m.dtype, self.operand_requires_grad(j), self.operand_is_param(j))
                   for j, m in enumerate(self.operands)),
             tuple(None if m is None else (m.shape, m.dtype) for m in self.outputs),
-            _freeze(pytree.tree_map(lambda x: _node_key(self, x) if isinstance(x, fx.Node) else x,
+            freeze_args(pytree.tree_map(lambda x: _node_key(self, x) if isinstance(x, fx.Node) else x,
                                     (self.node.args, self.node.kwargs))),
             self.mesh.shape,
             # rules may read this graph fact (index tensors built from an arange)
@@ -258,13 +258,22 @@ def _element_meta(meta: Any, index: Any) -> Any:
     return meta
 
 
-def _freeze(x: Any) -> Any:
+def freeze_args(x: Any) -> Any:
+    """A hashable form of node arguments: lists, tuples and dicts become tuples, torch dtypes,
+    devices, layouts and memory formats their names, fx nodes a marker (name-free: map them to
+    something first to tell them apart), anything else unhashable its repr."""
+    if isinstance(x, fx.Node):
+        return "%node"
     if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
+        return tuple(freeze_args(v) for v in x)
     if isinstance(x, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+        return tuple(sorted((k, freeze_args(v)) for k, v in x.items()))
     if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return str(x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
     return x
 
 

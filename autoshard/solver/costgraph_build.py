@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.fx as fx
 
 from ..capture import TensorMeta
 from ..enumerate import StrategyTable
-from ..opinfo import op_name
+from ..opinfo import freeze_args, op_name
 from ..phases import Phase
 from ..reshard import ReshardTable, reshard_table
 from ..specs import ShardSpec
@@ -500,27 +498,10 @@ def _member_signature(b: _Builder, name: str) -> tuple:
     if node.op == "placeholder":
         head: tuple = ("placeholder", graph.is_param(name), graph.is_buffer(name), graph.is_user_input(name))
     elif node.op == "call_function":
-        head = ("call_function", op_name(node.target), _freeze(node.args), _freeze(node.kwargs))
+        head = ("call_function", op_name(node.target), freeze_args(node.args), freeze_args(node.kwargs))
     else:
         head = (node.op, str(node.target))
     operands = tuple(b._tensor(p, b._src_output(name, j))
                      for j, p in enumerate(b.table[name].operand_nodes))
     out = graph.tensor_meta(name) if node.op != "output" else None
     return head + (out, operands, graph.requires_grad(name) if node.op != "output" else False)
-
-
-def _freeze(x: Any) -> Any:
-    """A hashable, name-free form of node arguments (fx nodes become a marker)."""
-    if isinstance(x, fx.Node):
-        return "%node"
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
-    if isinstance(x, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
-    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return str(x)
-    try:
-        hash(x)
-    except TypeError:
-        return repr(x)
-    return x
