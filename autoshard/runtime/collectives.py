@@ -338,32 +338,53 @@ class _GatherParams(torch.autograd.Function):
         ctx.dtype, ctx.device = moved[0].dtype, moved[0].device
         ctx.reduce_dtype, ctx.shard_dtypes = reduce_dtype, [s.dtype for s in shards]
         blocks = comm.gather_flat(torch.cat([m.reshape(-1) for m in moved]), axes, comm.phase).view(n, -1)
-        out, start = [], 0
-        for m, d in zip(moved, dims):
-            piece = blocks[:, start:start + m.numel()].reshape(n * m.shape[0], *m.shape[1:])
-            out.append(piece.movedim(0, d).contiguous())
-            start += m.numel()
-        return tuple(out)
+        return unflatten_gathered(blocks, moved, dims)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        n = ctx.n
-        pieces = []
-        for g, shape, d in zip(grads, ctx.moved_shapes, ctx.dims):
-            if g is None:
-                pieces.append(torch.zeros((n, math.prod(shape)), dtype=ctx.dtype, device=ctx.device))
-            else:
-                pieces.append(g.movedim(d, 0).reshape(n, -1))
-        flat = torch.cat(pieces, dim=1)
+        flat = flatten_grads(grads, ctx.moved_shapes, ctx.dims, ctx.n, ctx.dtype, ctx.device)
         if ctx.reduce_dtype is not None:
             flat = flat.to(ctx.reduce_dtype)
         mine = ctx.comm.reduce_scatter_flat(flat, ctx.axes, BWD)
-        out, start = [], 0
-        for shape, d, dtype in zip(ctx.moved_shapes, ctx.dims, ctx.shard_dtypes):
-            k = math.prod(shape)
-            out.append(mine[start:start + k].view(shape).movedim(0, d).to(dtype))
-            start += k
-        return (None, None, None, None, None, *out)
+        out = split_scattered(mine, ctx.moved_shapes, ctx.dims)
+        return (None, None, None, None, None, *(o.to(dtype) for o, dtype in zip(out, ctx.shard_dtypes)))
+
+
+def unflatten_gathered(blocks: torch.Tensor, moved: Sequence[torch.Tensor], dims: Sequence[int]
+                       ) -> tuple[torch.Tensor, ...]:
+    """The whole tensors from one flat all-gather's ``(n, -1)`` blocks: row ``k`` holds rank ``k``'s
+    shards (each with its sharded dim ``dims[i]`` moved first, as ``moved[i]``) one after another."""
+    n = blocks.shape[0]
+    out, start = [], 0
+    for m, d in zip(moved, dims):
+        piece = blocks[:, start:start + m.numel()].reshape(n * m.shape[0], *m.shape[1:])
+        out.append(piece.movedim(0, d).contiguous())
+        start += m.numel()
+    return tuple(out)
+
+
+def flatten_grads(grads: Sequence[torch.Tensor | None], moved_shapes: Sequence[Sequence[int]],
+                  dims: Sequence[int], n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The gradients of gathered tensors as ``(n, -1)`` blocks for one flat reduce-scatter (the
+    inverse layout of :func:`unflatten_gathered`); a tensor with no gradient contributes zeros."""
+    pieces = []
+    for g, shape, d in zip(grads, moved_shapes, dims):
+        if g is None:
+            pieces.append(torch.zeros((n, math.prod(shape)), dtype=dtype, device=device))
+        else:
+            pieces.append(g.movedim(d, 0).reshape(n, -1))
+    return torch.cat(pieces, dim=1)
+
+
+def split_scattered(mine: torch.Tensor, moved_shapes: Sequence[Sequence[int]], dims: Sequence[int]
+                    ) -> list[torch.Tensor]:
+    """This rank's flat reduce-scattered block back into one gradient per shard, in its layout."""
+    out, start = [], 0
+    for shape, d in zip(moved_shapes, dims):
+        k = math.prod(shape)
+        out.append(mine[start:start + k].view(tuple(shape)).movedim(0, d))
+        start += k
+    return out
 
 
 # -- the functions generated code calls ------------------------------------------------------------

@@ -35,7 +35,6 @@ reported at its next call and in the bucketed all-reduce, as in eager).
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,7 +42,7 @@ import torch.fx as fx
 
 from ..plans import Plan, PlanError
 from .activation_codegen import update_state_once
-from .collectives import MeshComm, Move
+from .collectives import MeshComm, Move, flatten_grads, split_scattered, unflatten_gathered
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]
 
@@ -173,29 +172,13 @@ class _GatherParams(torch.autograd.Function):
         ctx.moved_shapes = [tuple(m.shape) for m in moved]
         ctx.dtype = moved[0].dtype
         blocks = _all_gather_dim0(torch.cat([m.reshape(-1) for m in moved]), layout, axes).view(n, -1)
-        out, start = [], 0
-        for m, d in zip(moved, dims):
-            piece = blocks[:, start:start + m.numel()].reshape(n * m.shape[0], *m.shape[1:])
-            out.append(piece.movedim(0, d).contiguous())
-            start += m.numel()
-        return tuple(out)
+        return unflatten_gathered(blocks, moved, dims)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        n = ctx.n
-        pieces = []
-        for g, shape, d in zip(grads, ctx.moved_shapes, ctx.dims):
-            if g is None:          # a gathered parameter that got no gradient: its blocks sum to zero
-                pieces.append(torch.zeros((n, math.prod(shape)), dtype=ctx.dtype, device=_grads_device(grads)))
-            else:
-                pieces.append(g.movedim(d, 0).reshape(n, -1))
-        mine = _reduce_scatter_dim0(torch.cat(pieces, dim=1).reshape(-1), ctx.layout, ctx.axes)
-        out, start = [], 0
-        for shape, d in zip(ctx.moved_shapes, ctx.dims):
-            k = math.prod(shape)
-            out.append(mine[start:start + k].view(shape).movedim(0, d))
-            start += k
-        return (None, None, None, *out)
+        flat = flatten_grads(grads, ctx.moved_shapes, ctx.dims, ctx.n, ctx.dtype, _grads_device(grads))
+        mine = _reduce_scatter_dim0(flat.reshape(-1), ctx.layout, ctx.axes)
+        return (None, None, None, *split_scattered(mine, ctx.moved_shapes, ctx.dims))
 
 
 def _grads_device(grads: Sequence[torch.Tensor | None]) -> torch.device:
