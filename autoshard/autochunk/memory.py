@@ -29,7 +29,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import fx
 
-from .autochunk_flow import input_nodes, tensors_of
+from .flow import input_nodes, tensors_of
 
 Key = Hashable
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from . import autochunk_flow as flow
-from .autochunk_flow import NotFree, input_nodes, tensors_of
-from .autochunk_memory import Key, NodeFacts, Simulation, StorageNamer, Unit, simulate, tensor_bytes
+from . import flow
+from .flow import NotFree, input_nodes, tensors_of
+from .memory import Key, NodeFacts, Simulation, StorageNamer, Unit, simulate, tensor_bytes
 
 
 class GraphInfo:
@@ -34,7 +34,7 @@ class GraphInfo:
         self.facts = NodeFacts()
 
     def flow(self, node: fx.Node, d: int, size: int) -> flow.Flow:
-        """Cached :func:`autochunk_flow.backward`."""
+        """Cached :func:`.flow.backward`."""
         key = (node, d, size)
         if key not in self._rule_cache:
             try:

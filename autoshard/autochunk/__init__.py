@@ -38,10 +38,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..units import format_bytes, parse_bytes
-from .autochunk_codegen import compile_source, generate
-from .autochunk_flow import describe_op
-from .autochunk_memory import PeakMemory, measure_peak_memory
-from .autochunk_plan import Candidate, GraphInfo, Region, candidates, pick, simulate_plan
+from .codegen import compile_source, generate
+from .flow import describe_op
+from .memory import PeakMemory, measure_peak_memory
+from .regions import Candidate, GraphInfo, Region, candidates, pick, simulate_plan
 
 __all__ = ["AutoChunkError", "ChunkReport", "ChunkedModule", "PeakMemory", "autochunk",
            "measure_peak_memory"]
