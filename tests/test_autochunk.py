@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard.autochunk import MIN_LOOP_BYTES, AutoChunkError, autochunk, measure_peak_memory
-from autoshard.autochunk.flow import NotFree, backward, reshape_dim_map
+from autoshard.autochunk.flow import NotFree
+from autoshard.autochunk.rules import backward, reshape_dim_map
 
 MiB = 2**20
 
