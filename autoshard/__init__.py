@@ -23,7 +23,8 @@ from .runtime.step_watch import SkippedBackwardError
 from .runtime.plan_once import RemotePlanError, plan_once
 from .autochunk import AutoChunkError, autochunk
 from .offload import offload_parameters
-from .runtime import (SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
+from .memory import apply_memory_annotations
+from .runtime import (SavedTensorMeter, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
 
 from .version import __version__

@@ -750,7 +750,7 @@ class _GraphBuilder:
         offload = level == 0 and any(_offload_annotation(n) is True for n in region.nodes)
         call_name = region.outputs[0].name if len(region.outputs) == 1 else f"{name}_out"
         if level == 0 and any(n.meta.get(PARTITION_META) for n in region.nodes):
-            from .partition import partitioned_checkpoint
+            from ..runtime.partition import partitioned_checkpoint
 
             self.attrs["comm"] = self.root.comm
             axes = tuple(tuple(i.meta.get(PARTITION_AXES_META, ())) for i in region.inputs)
