@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from ..plans import Plan, PlanError
-from ..memory.codegen import update_state_once
+from ..memory.module_state import update_state_once
 from .collectives import MeshComm, Move
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]

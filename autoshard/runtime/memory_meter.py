@@ -33,13 +33,8 @@ from typing import Any, Iterable
 
 import torch
 
-from autoshard.memory.codegen import (
-    HOST_OFFLOAD_COUNTER,
-    delegate_pack,
-    delegate_unpack,
-    is_parameter_like,
-    outer_saved_tensors_hooks,
-)
+from ..memory.host_offload import HOST_OFFLOAD_COUNTER, delegate_pack, delegate_unpack, outer_saved_tensors_hooks
+from ..memory.param_flag import is_parameter_like
 
 __all__ = ["SavedTensorMeter", "SavedTensorReport"]
 
