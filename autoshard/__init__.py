@@ -21,7 +21,10 @@ from .runtime.replicas import ReplicaMismatchError
 from .runtime.compiled import CompileError
 from .runtime.step_watch import SkippedBackwardError
 from .runtime.plan_once import RemotePlanError, plan_once
-from .runtime import (AutoChunkError, autochunk, offload_parameters, SavedTensorMeter, apply_memory_annotations, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
+from .autochunk import AutoChunkError, autochunk
+from .offload import offload_parameters
+from .memory import apply_memory_annotations
+from .runtime import (SavedTensorMeter, CommCounter, ParallelModule, PlanDisagreementError, init_mesh, load_checkpoint,
                       parallelize, save_checkpoint)
 
 from .version import __version__

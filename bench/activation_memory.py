@@ -67,7 +67,7 @@ from autoshard.hardware import load_hardware  # noqa: E402
 from autoshard.models import build_model  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.plans.build import plan_from_solution  # noqa: E402
-from autoshard.runtime.activation_codegen import (  # noqa: E402
+from autoshard.memory import (  # noqa: E402
     delegate_pack, delegate_unpack, is_parameter_like, outer_saved_tensors_hooks)
 from autoshard.runtime.memory_meter import SavedTensorMeter  # noqa: E402
 from autoshard.solver.costgraph_build import build_cost_graph  # noqa: E402

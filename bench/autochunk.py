@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write  # noqa: E402
 
-from autoshard.runtime.autochunk import autochunk, measure_peak_memory  # noqa: E402
+from autoshard.autochunk import autochunk, measure_peak_memory  # noqa: E402
 
 SEQ, WIDTH, HEADS, LAYERS = 4096, 32, 2, 2
 BUDGETS: list[str | None] = ["1GiB", None, "64MiB", "16MiB", "4MiB"]  # 1GiB: fits, no loops

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write  # noqa: E402
 
 from autoshard.models import build_model  # noqa: E402
-from autoshard.runtime.param_offload import offload_parameters  # noqa: E402
+from autoshard.offload import offload_parameters  # noqa: E402
 from autoshard.units import format_bytes  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoshard.runtime.activation_codegen import (
+from autoshard.memory import (
     CHECKPOINT_META,
     OFFLOAD_META,
     MemoryAnnotationError,

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.runtime.autochunk import MIN_LOOP_BYTES, AutoChunkError, autochunk, measure_peak_memory
-from autoshard.runtime.autochunk_flow import NotFree, backward, reshape_dim_map
+from autoshard.autochunk import MIN_LOOP_BYTES, AutoChunkError, autochunk, measure_peak_memory
+from autoshard.autochunk.flow import NotFree
+from autoshard.autochunk.rules import backward, reshape_dim_map
 
 MiB = 2**20
 

@@ -6,7 +6,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from autoshard.runtime.activation_codegen import (
+from autoshard.memory import (
     CHECKPOINT_META,
     HOST_OFFLOAD_COUNTER,
     OFFLOAD_META,
@@ -154,7 +154,7 @@ def test_a_meter_measures_one_window() -> None:
         meter.__enter__()
 
 
-# -- with activation_codegen offload regions --------------------------------------------------------
+# -- with autoshard.memory offload regions ----------------------------------------------------------
 
 
 def _annotated_mlp(checkpoint_nodes: dict[int, object], offload_nodes: dict[int, object]):

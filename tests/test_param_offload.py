@@ -1,4 +1,4 @@
-"""Parameter offload (autoshard.runtime.param_offload): training through the offloaded module
+"""Parameter offload (autoshard.offload): training through the offloaded module
 equals training the plain model, and the residency accounting stays within the plan."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autoshard.models import build_model
-from autoshard.runtime.param_offload import OffloadError, offload_parameters
+from autoshard.offload import OffloadError, offload_parameters
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..comm_api import MeshCoordinates
 from ..phases import Phase
-from .param_flag import PARAMETER_FLAG
+from ..memory.param_flag import PARAMETER_FLAG
 from .step_watch import StepWatch
 
 FWD, BWD, RECOMPUTE = Phase.FWD, Phase.BWD, Phase.RECOMPUTE

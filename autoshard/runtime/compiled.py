@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..plans import Plan, PlanError
-from .activation_codegen import update_state_once
+from ..memory.module_state import update_state_once
 from .collectives import MeshComm, Move, flatten_grads, split_scattered, unflatten_gathered
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]

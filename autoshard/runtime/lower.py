@@ -44,8 +44,9 @@ from ..param_gather import ParamGathers, param_uses, plan_param_gathers
 from ..plans import NodePlan, Plan, PlanError, ReshardEntry
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy
-from .activation_codegen import (CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META, STATE_META,
-                                 apply_memory_annotations, update_state_once)
+from ..memory.annotations import CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META
+from ..memory.codegen import apply_memory_annotations
+from ..memory.module_state import STATE_META, update_state_once
 from .collectives import MeshComm, iter_moves
 
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format,

@@ -5,7 +5,7 @@ it wraps and reports (:class:`SavedTensorReport`):
 
 * bytes of the distinct storages saved for backward, split into activations and parameters;
 * the current and peak bytes of activation storages held by autograd (live saved bytes);
-* bytes copied to host by the offload regions of :mod:`autoshard.runtime.activation_codegen`;
+* bytes copied to host by the offload regions of :mod:`autoshard.memory`;
 * on CUDA, the ``torch.cuda.max_memory_allocated`` rise over the window.
 
 What is exact and what is not:
@@ -18,7 +18,7 @@ What is exact and what is not:
   something else (a module output kept by the caller, a parameter) still holds the storage.
 * Tensors saved under other, inner saved tensor hooks are invisible: those of checkpointed
   regions (recomputed, not kept — which is the point), and checkpoint inputs offloaded with
-  ``save_on_cpu``. Offload regions of ``activation_codegen`` hand the tensors they keep on the
+  ``save_on_cpu``. Offload regions of :mod:`autoshard.memory` hand the tensors they keep on the
   device to the meter and count the ones they copy in :data:`HOST_OFFLOAD_COUNTER`, which the
   meter reads (``host_offload_bytes``; the counter is process-wide, so concurrent threads mix).
 * Activation bytes are summed each time a storage becomes held; a storage saved, released and
@@ -33,13 +33,8 @@ from typing import Any, Iterable
 
 import torch
 
-from autoshard.runtime.activation_codegen import (
-    HOST_OFFLOAD_COUNTER,
-    delegate_pack,
-    delegate_unpack,
-    is_parameter_like,
-    outer_saved_tensors_hooks,
-)
+from ..memory.host_offload import HOST_OFFLOAD_COUNTER, delegate_pack, delegate_unpack, outer_saved_tensors_hooks
+from ..memory.param_flag import is_parameter_like
 
 __all__ = ["SavedTensorMeter", "SavedTensorReport"]
 
@@ -61,7 +56,7 @@ class SavedTensorReport:
     peak_activation_bytes: int
     """Maximum of ``live_activation_bytes`` since the meter was entered."""
     host_offload_tensors: int
-    """Host copies made by activation_codegen offload regions inside the window."""
+    """Host copies made by autoshard.memory offload regions inside the window."""
     host_offload_bytes: int
     """Bytes of those host copies."""
     cuda_peak_allocated_delta: int | None

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import autoshard
 from autoshard.models import build_model
 from autoshard.plans import Plan
-from autoshard.runtime.param_flag import PARAMETER_FLAG
+from autoshard.memory.param_flag import PARAMETER_FLAG
 from runtime_harness import device_mesh
 
 STEPS = 20

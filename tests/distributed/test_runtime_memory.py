@@ -18,7 +18,7 @@ import autoshard
 from autoshard.models import build_model
 from autoshard.plans import Plan
 from autoshard.runtime import capture_meta
-from autoshard.runtime.activation_codegen import HOST_OFFLOAD_COUNTER
+from autoshard.memory import HOST_OFFLOAD_COUNTER
 from runtime_harness import device_mesh, on_all_ranks
 
 MODELS = ["gpt2-tiny", "llama-tiny"]

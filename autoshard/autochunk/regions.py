@@ -1,4 +1,4 @@
-"""Finding chunk regions: free-dim analysis of a node range, the memory of a plan, the search.
+"""Chunk regions of AutoChunk: the free-dim analysis that turns a node range into one loop.
 
 A *region* is a contiguous range of the graph's call nodes turned into one loop over chunks of a
 free dim. Inside the range every node is either *chunked* (computed per chunk, carrying the dim
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from . import autochunk_flow as flow
-from .autochunk_flow import NotFree, input_nodes, tensors_of
-from .autochunk_memory import Key, NodeFacts, Simulation, StorageNamer, Unit, simulate, tensor_bytes
+from ..opinfo import op_name
+from .flow import Flow, NotFree, input_nodes, tensors_of
+from .memory import NodeFacts, StorageNamer, Unit, simulate
+from .rules import backward
 
 
 class GraphInfo:
@@ -30,15 +31,15 @@ class GraphInfo:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.output = next(n for n in graph.nodes if n.op == "output")
         self.output_nodes = set(self.output.all_input_nodes)
-        self._rule_cache: dict[tuple[fx.Node, int, int], flow.Flow | str] = {}
+        self._rule_cache: dict[tuple[fx.Node, int, int], Flow | str] = {}
         self.facts = NodeFacts()
 
-    def flow(self, node: fx.Node, d: int, size: int) -> flow.Flow:
-        """Cached :func:`autochunk_flow.backward`."""
+    def flow(self, node: fx.Node, d: int, size: int) -> Flow:
+        """Cached :func:`.rules.backward`."""
         key = (node, d, size)
         if key not in self._rule_cache:
             try:
-                self._rule_cache[key] = flow.backward(node, d, size)
+                self._rule_cache[key] = backward(node, d, size)
             except NotFree as e:
                 self._rule_cache[key] = str(e)
         res = self._rule_cache[key]
@@ -50,7 +51,7 @@ class GraphInfo:
         """Output dim of ``node`` that carries ``src_dim`` of input ``src`` (cached rules)."""
         ts = tensors_of(node)
         if not ts:
-            raise NotFree(f"{node.name} ({flow.describe_op(node)}) has no tensor output")
+            raise NotFree(f"{node.name} ({op_name(node.target)}) has no tensor output")
         for d in range(ts[0].ndim):
             if ts[0].shape[d] != size:
                 continue
@@ -61,7 +62,7 @@ class GraphInfo:
             if f.inputs.get(src, -1) == src_dim:
                 return d
         raise NotFree(f"dim {src_dim} of {src.name} does not flow through {node.name} "
-                      f"({flow.describe_op(node)})")
+                      f"({op_name(node.target)})")
 
 
 @dataclass
@@ -205,168 +206,3 @@ def loop_row_bytes(info: GraphInfo, region: Region) -> float:
     out_keys = {k for o in region.outputs for k in namer.keys[o] if k not in namer.external}
     units.append(Unit("write back", {}, out_keys))
     return float(simulate(units, set()).peak)
-
-
-# ---------------------------------------------------------------------------------------------
-# Plans: the program (list of units) for a set of regions
-# ---------------------------------------------------------------------------------------------
-
-
-def build_units(info: GraphInfo, regions: list[Region]) -> tuple[list[Unit], set[Key]]:
-    """The program's units with ``regions`` as loops, and the keys of the graph outputs."""
-    namer = StorageNamer(info.facts)
-    for p in info.placeholders:
-        namer.name_external(p)
-    starts = {r.start: (i, r) for i, r in enumerate(regions)}
-    covered = {j for r in regions for j in range(r.start, r.end + 1)}
-    units: list[Unit] = []
-    for i, n in enumerate(info.nodes):
-        if i in starts:
-            ri, r = starts[i]
-            units.extend(_node_unit(info, namer, h) for h in r.hoisted)
-            units.append(_loop_unit(namer, ri, r))
-        if i not in covered:
-            units.append(_node_unit(info, namer, n))
-    outputs = {k for n in info.output_nodes for k in namer.keys.get(n, ())}
-    return units, outputs
-
-
-def _node_unit(info: GraphInfo, namer: StorageNamer, n: fx.Node) -> Unit:
-    keys, fresh = namer.name(n, lambda i: (n.name, i))
-    nbytes = info.facts.storage_bytes(n)
-    defs = {keys[i]: nbytes[i] for i in fresh}
-    return Unit(n.name, defs, namer.uses(n), node=n)
-
-
-def _loop_unit(namer: StorageNamer, ri: int, r: Region) -> Unit:
-    uses: set[Key] = set()
-    for a in list(r.sliced) + list(r.whole):
-        uses.update(k for k in namer.keys.get(a, ()) if k not in namer.external)
-    defs: dict[Key, int] = {}
-    for o in r.outputs:
-        key = ("loop", ri, o.name)
-        namer.set(o, [key])
-        defs[key] = tensor_bytes(o.meta["val"])
-    transient = int(math.ceil(r.chunk * r.row_bytes))
-    return Unit(f"chunk loop {ri}", defs, uses, transient=transient, region=ri)
-
-
-def simulate_plan(info: GraphInfo, regions: list[Region]) -> Simulation:
-    units, outputs = build_units(info, regions)
-    return simulate(units, outputs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Search
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Candidate:
-    """A region with the loop's memory split as ``base + chunk * region.row_bytes``."""
-
-    region: Region
-    base: int
-
-    def peak_at(self, chunk: int) -> float:
-        return self.base + chunk * self.region.row_bytes
-
-    def largest_chunk(self, target: int) -> int:
-        """Largest chunk length whose loop stays within ``target`` (0 when even 1 does not)."""
-        if self.region.row_bytes <= 0:
-            return self.region.size
-        return max(0, min(self.region.size, int((target - self.base) // self.region.row_bytes)))
-
-
-def _bounds(info: GraphInfo, regions: list[Region], lo: int, hi: int) -> tuple[int, int]:
-    """Smallest start and largest end a new range around ``lo..hi`` may take."""
-    left, right = 0, len(info.nodes) - 1
-    for r in regions:
-        if r.end < lo:
-            left = max(left, r.end + 1)
-        elif r.start > hi:
-            right = min(right, r.start - 1)
-    return left, right
-
-
-def anchors_at(info: GraphInfo, sim: Simulation, unit: int, covered: set[int], k: int = 3) -> list[fx.Node]:
-    """Producers of the ``k`` largest storages live while ``unit`` runs (not already in a loop)."""
-    units = sim.units
-    sizes: dict[Key, int] = {}
-    owner: dict[Key, fx.Node] = {}
-    for u in units:
-        for key, b in u.defs.items():
-            sizes[key] = b
-            if u.node is not None:
-                owner[key] = u.node
-    live = [key for key in sim.live_during(unit) if key in owner and info.index[owner[key]] not in covered]
-    live.sort(key=lambda key: -sizes[key])
-    return [owner[key] for key in live[:k]]
-
-
-def candidates(info: GraphInfo, regions: list[Region], sim: Simulation, unit: int,
-               window: int) -> tuple[list[Candidate], list[str]]:
-    """Every valid region around the peak ``unit``, with its loop's base memory."""
-    covered = {j for r in regions for j in range(r.start, r.end + 1)}
-    peak_node = sim.units[unit].node
-    assert peak_node is not None
-    p = info.index[peak_node]
-    if p in covered:
-        return [], [f"{peak_node.name} runs before an existing chunk loop (hoisted)"]
-    found: list[Candidate] = []
-    reasons: list[str] = []
-    base_of = _LoopBase(info, sim)
-    seen: set[tuple[int, int, fx.Node, int]] = set()
-    for anchor in anchors_at(info, sim, unit, covered):
-        a = info.index[anchor]
-        lo, hi = min(a, p), max(a, p)
-        left, right = _bounds(info, regions, lo, hi)
-        if any(lo <= j <= hi for j in covered):
-            continue
-        for d, s in enumerate(tensors_of(anchor)[0].shape):
-            if s == 1:
-                continue
-            for start in range(max(left, lo - window), lo + 1):
-                for end in range(hi, min(right, hi + window) + 1):
-                    if (start, end, anchor, d) in seen:
-                        continue  # the same region was found from another anchor
-                    try:
-                        region = analyse_range(info, start, end, anchor, d)
-                    except NotFree as e:
-                        if start == lo and end == hi:
-                            reasons.append(f"dim {d} of {anchor.name}: {e}")
-                        continue
-                    seen.update((start, end, n, nd) for n, nd in region.dims.items())
-                    found.append(Candidate(region, base_of(region)))
-    return found, reasons
-
-
-class _LoopBase:
-    """Memory live around a new loop: what the current plan holds just before the range starts,
-    the hoisted nodes' results still needed, and the loop's output buffers."""
-
-    def __init__(self, info: GraphInfo, sim: Simulation) -> None:
-        self.info, self.sim = info, sim
-        self.pos = {u.node: i for i, u in enumerate(sim.units) if u.node is not None}
-        self.size: dict[Key, int] = {k: b for u in sim.units for k, b in u.defs.items()}
-
-    def __call__(self, region: Region) -> int:
-        info, sim = self.info, self.sim
-        first = self.pos[info.nodes[region.start]]
-        live = sim.live_after[first - 1] if first > 0 else set()
-        base = sum(self.size[k] for k in live)
-        for h in region.hoisted:
-            if any(u in region.dims or u.op == "output" or info.index.get(u, -1) > region.end for u in h.users):
-                base += sum(sim.units[self.pos[h]].defs.values())
-        return base + sum(tensor_bytes(o.meta["val"]) for o in region.outputs)
-
-
-def pick(found: list[Candidate], target: int | None) -> Candidate | None:
-    """Best candidate: with a target, the one allowing the largest chunk (fewest iterations);
-    without, the one with the lowest loop peak at chunk 1. Ties go to the shorter range."""
-    if not found:
-        return None
-    if target is None:
-        return min(found, key=lambda c: (c.peak_at(1), c.region.end - c.region.start))
-    best = max(found, key=lambda c: (c.largest_chunk(target), -(c.region.end - c.region.start)))
-    return best if best.largest_chunk(target) >= 1 else None

@@ -1,35 +1,28 @@
-"""Activation-memory model for AutoChunk, and a measured peak for checking it.
+"""The activation-memory model of AutoChunk: the estimated memory of a program of units.
 
-Estimate
-    A program is a sequence of :class:`Unit` s (one aten call, or one chunk loop). Each unit
-    *defines* storages (new allocations, in bytes) and *uses* storages made earlier. A storage
-    lives from the unit that defines it to the last unit that uses it (graph outputs live to the
-    end), exactly like the generated code, which deletes every name after its last use. The memory
-    while a unit runs is everything still live + what it defines + its ``transient`` (the working
-    set of a chunk loop). Parameters, buffers and the caller's inputs are not counted: the model
-    holds them whether or not we chunk.
+A program is a sequence of :class:`Unit` s (one aten call, or one chunk loop). Each unit
+*defines* storages (new allocations, in bytes) and *uses* storages made earlier. A storage
+lives from the unit that defines it to the last unit that uses it (graph outputs live to the
+end), exactly like the generated code, which deletes every name after its last use. The memory
+while a unit runs is everything still live + what it defines + its ``transient`` (the working
+set of a chunk loop). Parameters, buffers and the caller's inputs are not counted: the model
+holds them whether or not we chunk.
 
-    Views share their input's storage: a node whose fake tensor (``node.meta['val']``) has the
-    same storage as one of its inputs' fake tensors defines nothing and keeps that storage alive.
+Views share their input's storage: a node whose fake tensor (``node.meta['val']``) has the
+same storage as one of its inputs' fake tensors defines nothing and keeps that storage alive.
 
-Measure
-    :func:`measure_peak_memory` runs a function under ``torch.profiler`` with
-    ``profile_memory=True``; the CPU allocator reports every allocation and free (with its size)
-    to the profiler, and the peak is the highest running sum of those events, in time order,
-    relative to the memory in use when the call started. It sees every allocation the allocator
-    makes on the calling thread, including temporaries inside kernels that never become Python
-    tensors; it does not see memory taken outside the PyTorch allocator.
+(:mod:`.measure` measures the real peak, to check this estimate.)
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 import torch
 from torch import fx
 
-from .autochunk_flow import input_nodes, tensors_of
+from .flow import input_nodes, tensors_of
 
 Key = Hashable
 
@@ -186,45 +179,3 @@ class NodeFacts:
         if n not in self._nbytes:
             self._nbytes[n] = [t.untyped_storage().nbytes() for t in self.tensors(n)]
         return self._nbytes[n]
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurement
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PeakMemory:
-    """Measured memory of one call: ``peak`` above the start, and what was still held at the end."""
-
-    peak: int
-    retained: int
-    allocations: int
-
-
-def _allocator_events(prof: Any) -> list[tuple[int, int]]:
-    """(time, signed bytes) for every allocator event the profiler recorded, in time order."""
-    raw = prof.profiler.kineto_results.events()
-    mem = [(e.start_ns(), i, e.nbytes()) for i, e in enumerate(raw) if e.name() == "[memory]"]
-    mem.sort()
-    return [(t, b) for t, _, b in mem]
-
-
-def measure_peak_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, PeakMemory]:
-    """Run ``fn(*args, **kwargs)`` and measure its peak CPU memory from allocator events.
-
-    Returns ``(result, PeakMemory)``. ``peak`` is the largest amount of memory (bytes) held at
-    any moment during the call above what was held when it started; ``retained`` is what was
-    still held when the call returned (normally the result). Only allocations made on the
-    calling thread through PyTorch's CPU allocator are counted.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-        result = fn(*args, **kwargs)
-    running = peak = 0
-    events = _allocator_events(prof)
-    for _, b in events:
-        running += b
-        peak = max(peak, running)
-    return result, PeakMemory(peak=peak, retained=running, allocations=sum(1 for _, b in events if b > 0))

@@ -1,6 +1,7 @@
 """Tensors that stand for parameters: the collectives flag the parameter copies they make (gathered
 per block, resharded for a consumer), and activation offload and the saved-tensor meter leave flagged
-tensors in place, like ``nn.Parameter`` s. Shared by :mod:`.collectives` and :mod:`.activation_codegen`."""
+tensors in place, like ``nn.Parameter`` s. Shared by :mod:`autoshard.runtime.collectives` and
+:mod:`autoshard.memory`."""
 from __future__ import annotations
 
 import torch

@@ -2,7 +2,7 @@
 
 The code is one function ``forward(self, <user inputs>)``. Every value is deleted right after its
 last use (``del``), at the top level and inside loop bodies, so the memory the code holds matches
-the estimate of :mod:`autochunk_memory`. Inside a loop, ``<name>_c`` is the current chunk of
+the estimate of :mod:`.memory`. Inside a loop, ``<name>_c`` is the current chunk of
 ``<name>``; region outputs are allocated before the loop and filled with ``narrow(...).copy_``.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .autochunk_flow import tensors_of
-from .autochunk_plan import GraphInfo, Region
+from .flow import tensors_of
+from .regions import GraphInfo, Region
 
 INDENT = "    "
 

@@ -1,114 +1,22 @@
-"""Dimension-flow rules for AutoChunk: which input dims carry a given output dim of an aten op.
+"""Per-op dim-flow rules of AutoChunk: which input dims carry a given output dim of an aten op.
 
-A *free dimension* of a region is a dim that every node in the region computes independently:
-slicing it on the inputs and running the ops on the slice gives exactly the same slice of the
-outputs. Each rule here answers one question for one op: "if I chunk dim ``d`` of this node's
-output into pieces of the dim's full size ``size``, which dim of every tensor input must be
-sliced the same way (an int), and which inputs are needed whole (``None``)?" A rule raises
-:class:`NotFree` when the dim mixes across positions in that op (a reduction or normalisation
-over ``d``, a matmul's contracted dim, a causal mask over the query dim, ...).
-
-Rules read shapes from ``node.meta['val']`` (fake tensors recorded by ``torch.export``). Ops with
-no rule are not free in any dim, so an unknown op always ends a region.
+Each rule answers the question of :mod:`.flow` for one op family (pointwise ops with broadcasting,
+reductions, normalisations, matmuls, attention, views and shape ops, ...); :data:`RULES` maps aten
+ops to them and :func:`backward` asks the one for a node. Ops with no rule are not free in any
+dim, so an unknown op always ends a region.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
+from ..opinfo import op_name
+from .flow import Flow, NotFree, bound_args, broadcast_dim, input_nodes, merge, norm_dim, tensors_of, value
+
 aten = torch.ops.aten
-
-
-class NotFree(Exception):
-    """The requested dim does not flow through this node independently."""
-
-
-@dataclass(frozen=True)
-class Flow:
-    """Result of a rule: input dims for one chunked output dim.
-
-    ``inputs`` maps each tensor input node to the dim sliced on it, or ``None`` when the input is
-    used whole (broadcast, a weight, the keys of attention). ``size_arg`` names the argument that
-    holds a shape list (``view``/``expand``) whose entry at the output dim must become the chunk
-    length inside the loop.
-    """
-
-    inputs: dict[fx.Node, int | None] = field(default_factory=dict)
-    size_arg: int | None = None
-
-
-def tensors_of(node: fx.Node) -> list[torch.Tensor]:
-    """All tensors in a node's recorded value (one for most ops, several for tuple ops)."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
-def value(node: fx.Node) -> torch.Tensor:
-    """The (first) tensor of a node's value; raises :class:`NotFree` for non-tensor nodes."""
-    ts = tensors_of(node)
-    if not ts:
-        raise NotFree(f"{node.name} has no tensor value")
-    return ts[0]
-
-
-def input_nodes(node: fx.Node) -> Iterator[fx.Node]:
-    """Tensor-valued input nodes in argument order (nested lists included)."""
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), found.append)
-    for n in found:
-        if tensors_of(n):
-            yield n
-
-
-def bound_args(node: fx.Node) -> dict[str, Any]:
-    """Arguments of an aten call by schema name, defaults filled in."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-        else:
-            out[arg.name] = None
-    return out
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def _merge(flow: dict[fx.Node, int | None], node: fx.Node, dim: int | None) -> None:
-    """Record ``dim`` for ``node``; one node read two ways (sliced and whole, or two dims) fails."""
-    if node in flow and flow[node] != dim:
-        raise NotFree(f"{node.name} is read at dim {flow[node]} and at dim {dim}")
-    flow[node] = dim
-
-
-def _broadcast_dim(arg: fx.Node, out_ndim: int, d: int, size: int) -> int | None:
-    """Dim of ``arg`` that lines up with output dim ``d`` under broadcasting (None: broadcast)."""
-    t = value(arg)
-    ad = d - (out_ndim - t.ndim)
-    if ad < 0 or t.shape[ad] == 1:
-        return None
-    if t.shape[ad] != size:
-        raise NotFree(f"{arg.name} has size {t.shape[ad]} at dim {ad}, not {size}")
-    return ad
-
-
-# ---------------------------------------------------------------------------------------------
-# Rule families
-# ---------------------------------------------------------------------------------------------
 
 Rule = Callable[[fx.Node, int, int], Flow]
 
@@ -118,7 +26,7 @@ def pointwise(node: fx.Node, d: int, size: int) -> Flow:
     n = value(node).ndim
     flow: dict[fx.Node, int | None] = {}
     for a in input_nodes(node):
-        _merge(flow, a, _broadcast_dim(a, n, d, size))
+        merge(flow, a, broadcast_dim(a, n, d, size))
     return Flow(flow)
 
 
@@ -127,7 +35,7 @@ def _first_only(node: fx.Node, d: int, size: int) -> Flow:
     ins = list(input_nodes(node))
     flow: dict[fx.Node, int | None] = {ins[0]: d}
     for a in ins[1:]:
-        _merge(flow, a, None)
+        merge(flow, a, None)
     return Flow(flow)
 
 
@@ -136,7 +44,7 @@ def _same_dim_except(dim_name: str) -> Rule:
 
     def rule(node: fx.Node, d: int, size: int) -> Flow:
         inp = node.args[0]
-        dim = _norm_dim(bound_args(node)[dim_name], value(inp).ndim)
+        dim = norm_dim(bound_args(node)[dim_name], value(inp).ndim)
         if dim == d:
             raise NotFree(f"{node.target} mixes positions along dim {dim}")
         return Flow({inp: d})
@@ -155,7 +63,7 @@ def _reduction(dim_name: str, keepdim_name: str = "keepdim") -> Rule:
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
             raise NotFree(f"{node.target} reduces over every dim")
         dims = [dims] if isinstance(dims, int) else list(dims)
-        reduced = {_norm_dim(x, ndim) for x in dims}
+        reduced = {norm_dim(x, ndim) for x in dims}
         kept = list(range(ndim)) if b.get(keepdim_name) else [i for i in range(ndim) if i not in reduced]
         src = kept[d]
         if src in reduced:
@@ -198,7 +106,7 @@ def _first_input_flows(node: fx.Node, d: int) -> Flow:
     flow: dict[fx.Node, int | None] = {inp: d}
     for a in input_nodes(node):
         if a is not inp:
-            _merge(flow, a, None)
+            merge(flow, a, None)
     return Flow(flow)
 
 
@@ -210,7 +118,7 @@ def _mm(node: fx.Node, d: int, size: int) -> Flow:
 def _addmm(node: fx.Node, d: int, size: int) -> Flow:
     bias, a, b = node.args[0], node.args[1], node.args[2]
     flow: dict[fx.Node, int | None] = {a: 0, b: None} if d == 0 else {a: None, b: 1}
-    _merge(flow, bias, _broadcast_dim(bias, 2, d, size))
+    merge(flow, bias, broadcast_dim(bias, 2, d, size))
     return Flow(flow)
 
 
@@ -218,7 +126,7 @@ def _bmm(node: fx.Node, d: int, size: int) -> Flow:
     a, b = node.args[0], node.args[1]
     if d == 0:
         flow: dict[fx.Node, int | None] = {a: 0}
-        _merge(flow, b, 0)
+        merge(flow, b, 0)
         return Flow(flow)
     return Flow({a: 1, b: None} if d == 1 else {a: None, b: 2})
 
@@ -242,11 +150,11 @@ def _matmul(node: fx.Node, d: int, size: int) -> Flow:
         xb = nx - 2 if nx >= 2 else 0
         xd = d - (batch - xb)
         if xd < 0 or value(x).shape[xd] == 1:
-            _merge(flow, x, None)
+            merge(flow, x, None)
         elif value(x).shape[xd] != size:
             raise NotFree(f"{x.name} batch dim {xd} does not match")
         else:
-            _merge(flow, x, xd)
+            merge(flow, x, xd)
     return Flow(flow)
 
 
@@ -283,15 +191,15 @@ def _attention(mask_name: str) -> Rule:
                 raise NotFree("a causal mask depends on the query position")
             flow: dict[fx.Node, int | None] = {q: d, k: None, v: None}
             if isinstance(mask, fx.Node):
-                _merge(flow, mask, _broadcast_dim(mask, n, d, size))
+                merge(flow, mask, broadcast_dim(mask, n, d, size))
             return Flow(flow)
         if b.get("enable_gqa"):
             raise NotFree("grouped-query attention maps heads unevenly")
         flow = {}
         for x in (q, k, v):
-            _merge(flow, x, _broadcast_dim(x, n, d, size))
+            merge(flow, x, broadcast_dim(x, n, d, size))
         if isinstance(mask, fx.Node):
-            _merge(flow, mask, _broadcast_dim(mask, n, d, size))
+            merge(flow, mask, broadcast_dim(mask, n, d, size))
         return Flow(flow)
 
     return rule
@@ -333,7 +241,7 @@ def _reshape(node: fx.Node, d: int, size: int) -> Flow:
 
 def _expand(node: fx.Node, d: int, size: int) -> Flow:
     inp = node.args[0]
-    return Flow({inp: _broadcast_dim(inp, value(node).ndim, d, size)}, size_arg=1)
+    return Flow({inp: broadcast_dim(inp, value(node).ndim, d, size)}, size_arg=1)
 
 
 def _transpose(node: fx.Node, d: int, size: int) -> Flow:
@@ -342,19 +250,19 @@ def _transpose(node: fx.Node, d: int, size: int) -> Flow:
     if node.target is aten.t.default:
         d0, d1 = 0, 1
     else:
-        d0, d1 = _norm_dim(node.args[1], ndim), _norm_dim(node.args[2], ndim)
+        d0, d1 = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
     src = d1 if d == d0 else d0 if d == d1 else d
     return Flow({node.args[0]: src})
 
 
 def _permute(node: fx.Node, d: int, size: int) -> Flow:
     inp = node.args[0]
-    perm = [_norm_dim(p, value(inp).ndim) for p in node.args[1]]
+    perm = [norm_dim(p, value(inp).ndim) for p in node.args[1]]
     return Flow({inp: perm[d]})
 
 
 def _unsqueeze(node: fx.Node, d: int, size: int) -> Flow:
-    dim = _norm_dim(node.args[1], value(node).ndim)
+    dim = norm_dim(node.args[1], value(node).ndim)
     if d == dim:
         raise NotFree("an unsqueezed dim has size 1")
     return Flow({node.args[0]: d if d < dim else d - 1})
@@ -368,7 +276,7 @@ def _squeeze(node: fx.Node, d: int, size: int) -> Flow:
     else:
         dims = node.args[1]
         dims = [dims] if isinstance(dims, int) else dims
-        gone = {_norm_dim(x, len(shape)) for x in dims if shape[_norm_dim(x, len(shape))] == 1}
+        gone = {norm_dim(x, len(shape)) for x in dims if shape[norm_dim(x, len(shape))] == 1}
     kept = [i for i in range(len(shape)) if i not in gone]
     return Flow({inp: kept[d]})
 
@@ -377,7 +285,7 @@ def _slice(node: fx.Node, d: int, size: int) -> Flow:
     b = bound_args(node)
     inp = node.args[0]
     shape = value(inp).shape
-    dim = _norm_dim(b["dim"], len(shape))
+    dim = norm_dim(b["dim"], len(shape))
     if dim == d and (b["start"] not in (None, 0) or b["step"] != 1
                      or (b["end"] is not None and b["end"] < shape[dim])):
         raise NotFree("slicing along the chunked dim")
@@ -385,20 +293,20 @@ def _slice(node: fx.Node, d: int, size: int) -> Flow:
 
 
 def _select(node: fx.Node, d: int, size: int) -> Flow:
-    dim = _norm_dim(node.args[1], value(node.args[0]).ndim)
+    dim = norm_dim(node.args[1], value(node.args[0]).ndim)
     return Flow({node.args[0]: d if d < dim else d + 1})
 
 
 def _split(node: fx.Node, d: int, size: int) -> Flow:
     inp = node.args[0]
     b = bound_args(node)
-    if _norm_dim(b["dim"], value(inp).ndim) == d:
+    if norm_dim(b["dim"], value(inp).ndim) == d:
         raise NotFree("splitting along the chunked dim")
     return Flow({inp: d})
 
 
 def _unbind(node: fx.Node, d: int, size: int) -> Flow:
-    dim = _norm_dim(bound_args(node)["dim"], value(node.args[0]).ndim)
+    dim = norm_dim(bound_args(node)["dim"], value(node.args[0]).ndim)
     return Flow({node.args[0]: d if d < dim else d + 1})
 
 
@@ -413,13 +321,13 @@ def _cat(stack: bool) -> Rule:
     def rule(node: fx.Node, d: int, size: int) -> Flow:
         tensors = node.args[0]
         out_ndim = value(node).ndim
-        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, out_ndim)
+        dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_ndim)
         if dim == d:
             raise NotFree("concatenating along the chunked dim")
         src = d if not stack or d < dim else d - 1
         flow: dict[fx.Node, int | None] = {}
         for t in tensors:
-            _merge(flow, t, src)
+            merge(flow, t, src)
         return Flow(flow)
 
     return rule
@@ -534,23 +442,15 @@ def rule_for(node: fx.Node) -> Rule | None:
     return None
 
 
-def describe_op(node: fx.Node) -> str:
-    """Short op name for messages: ``aten.softmax.int`` or the callable's name."""
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return str(t)
-    return getattr(t, "__name__", str(t))
-
-
 def backward(node: fx.Node, d: int, size: int) -> Flow:
     """Input dims for chunking output dim ``d`` (of size ``size``) of ``node``; raises NotFree."""
     rule = rule_for(node)
     if rule is None:
-        raise NotFree(f"no dim-flow rule for {describe_op(node)}")
+        raise NotFree(f"no dim-flow rule for {op_name(node.target)}")
     ts = tensors_of(node)
     if not ts or any(t.ndim <= d or t.shape[d] != size for t in ts):
         raise NotFree(f"{node.name} has no dim {d} of size {size}")
     try:
         return rule(node, d, size)
     except (IndexError, KeyError, TypeError, AttributeError) as e:  # odd arity: treat as not free
-        raise NotFree(f"{describe_op(node)}: {e}") from e
+        raise NotFree(f"{op_name(node.target)}: {e}") from e
