@@ -23,10 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..capture import CapturedGraph, TensorMeta
+from ..capture import CapturedGraph, TensorMeta, capture_in_mode, capture_meta, meta_copy, to_meta
 from ..errors import ArgumentError
 from ..mesh import MeshError
-from ..meta_capture import capture_in_mode, capture_meta, meta_copy, to_meta
 from ..plans import ModeError, Plan, PlanError, PlanMismatchError
 from ..plans.validation import check_layouts_agree
 from ..precision import cast_input, cast_inputs, precision_copy

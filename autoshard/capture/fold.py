@@ -38,7 +38,7 @@ from torch.export.exported_program import ModuleCallEntry
 from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputSpec,
                                           TensorArgument)
 
-from .capture import CapturedGraph, capture
+from .graph import CapturedGraph, capture
 
 __all__ = ["FoldError", "capture_folded", "capture_module_folded", "capture_preset", "exported_differences"]
 
@@ -803,7 +803,7 @@ def capture_module_folded(model: nn.Module, args: Any = (), kwargs: Mapping[str,
     them; the full-depth model is the model's own meta copy, whose parameters the unfolded
     signature must match exactly. None when the model does not qualify; :class:`FoldError` when
     folding cannot reproduce export (capture in full then)."""
-    from .meta_capture import meta_copy, to_meta
+    from .meta_device import meta_copy, to_meta
 
     config = getattr(model, "config", None)
     depth = getattr(config, "num_hidden_layers", None)
@@ -848,7 +848,7 @@ def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: i
     ``before_capture(args, kwargs)`` sees the example inputs once the model is built, before the
     capture (which can take minutes): a check that raises there saves it.
     """
-    from .models import build_model
+    from ..models import build_model
 
     options = dict(overrides, device=device, batch=batch, seq=seq)
     if num_layers is not None:
@@ -860,7 +860,7 @@ def capture_preset(name: str, *, device: "str | torch.device" = "meta", batch: i
     if not fold or not isinstance(depth, int):
         if torch.device(device).type == "meta":
             # a factory without device= builds where it likes; capture it on meta as parallelize does
-            from .runtime.parallel import capture_meta
+            from .meta_device import capture_meta
 
             return capture_meta(model, args, kwargs, name=name)
         return capture(model, args, kwargs, name=name)
