@@ -8,7 +8,10 @@ from .param_offload import OffloadedModule, OffloadError, ResidencyTracker, Slic
 from .partition import partitioned_checkpoint
 from .memory_meter import SavedTensorMeter, SavedTensorReport
 from .init import init_mesh
-from .parallel import ParallelModule, PlanDisagreementError, capture_meta, example_inputs, parallelize
+from ..capture import capture_meta
+from .arguments import example_inputs
+from .parallel import ParallelModule, parallelize
+from .plan_agreement import PlanDisagreementError
 from .state import load_checkpoint, save_checkpoint
 
 __all__ = ["OffloadError", "OffloadedModule", "ResidencyTracker", "SlicePlan", "offload_parameters", "AutoChunkError", "ChunkReport", "ChunkedModule", "PeakMemory", "autochunk", "measure_peak_memory",
