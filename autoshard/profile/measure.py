@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -55,10 +54,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from .hardware import COMPUTE_FAMILIES, ComputeCurve, HardwareProfile, LinkModel, OptimizerModel, load_hardware
-from .mesh import MeshError, MeshSpec
-from .progress import Progress
-from .units import format_bytes, parse_bytes
+from ..hardware import COMPUTE_FAMILIES, ComputeCurve, HardwareProfile, LinkModel, OptimizerModel, load_hardware
+from ..mesh import MeshError, MeshSpec
+from ..progress import Progress
+from ..units import format_bytes, parse_bytes
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 _COPY_BYTES = 64 * 2**20
@@ -774,6 +773,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_profile_arguments(parser)
     return run_profile(parser.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
