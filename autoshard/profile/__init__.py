@@ -1,16 +1,18 @@
 """Measure a hardware profile of the running cluster (``autoshard profile``), under torchrun.
 
-Every rank runs :func:`~autoshard.profile.measure.measure_profile`, and every measurement runs on all ranks at once, as ranks
-compute and communicate together in training (ranks that share CPU cores or a host's memory
-bandwidth slow each other down, and the profile must say so). One timing helper,
-:func:`~autoshard.profile.timing._median_time`, times everything: each timed run starts right after a barrier, the median over
-runs is kept, and then the maximum over ranks (the slowest rank sets the pace of a step).
+Every rank runs :func:`~autoshard.profile.measure.measure_profile`, and every measurement runs on
+all ranks at once, as ranks compute and communicate together in training (ranks that share CPU
+cores or a host's memory bandwidth slow each other down, and the profile must say so). One timing
+helper, :func:`~autoshard.profile.timing._median_time`, times everything: each timed run starts
+right after a barrier, the median over runs is kept, and then the maximum over ranks (the slowest
+rank sets the pace of a step).
 
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
   sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
-  :func:`~autoshard.profile.collectives._time_collective`) and fits the ring model of :mod:`autoshard.comm`,
-  ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on relative error (so the small
-  messages that pin down alpha weigh as much as the large ones that pin down beta).
+  :func:`~autoshard.profile.collectives._time_collective`) and fits the ring model of
+  :mod:`autoshard.comm`, ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on
+  relative error (so the small messages that pin down alpha weigh as much as the large ones that
+  pin down beta).
 - **Roofline.** FLOP/s of a large square matmul, memory bandwidth of a large copy (read + write
   bytes) and, on CUDA, pinned host<->device copies: the fallback for ops without a measured curve.
 - **Compute curves** (``compute`` in the profile, see :mod:`autoshard.hardware`), float32 and on CUDA
