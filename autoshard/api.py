@@ -15,12 +15,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import CapturedGraph, TensorMeta, capture
+from .capture import CapturedGraph, TensorMeta, capture, capture_meta
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
 from .errors import ArgumentError, BudgetError
-from .meta_capture import capture_meta
 from .plans import Plan
 from .precision import MixedPrecision, cast_inputs, master_dtype_of, precision_copy
 from .plans.build import plan_from_solution
@@ -291,7 +290,7 @@ def _captured(model_or_graph: Any, args: Any, kwargs: Mapping[str, Any] | None, 
     # graph is the one the runtime captures (export records slightly different graphs per device).
     # A Hugging Face stack of layers is captured folded (exported at 2 and 3 layers, unrolled: the
     # graph a full export gives, in a fraction of its time); anything that does not fold, in full.
-    from .fold import FoldError, capture_module_folded
+    from .capture import FoldError, capture_module_folded
 
     try:
         folded = capture_module_folded(model_or_graph, args, kwargs, name=name)

@@ -63,7 +63,7 @@ def _ops(args: argparse.Namespace) -> int:
 
 def _graph(args: argparse.Namespace):
     """Capture the model named on the command line on meta tensors (repeated layers folded)."""
-    from .fold import capture_preset
+    from .capture import capture_preset
 
     with contextlib.ExitStack() as stack:
         def before_capture(model_args: tuple, model_kwargs: dict) -> None:

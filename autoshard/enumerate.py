@@ -160,7 +160,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
 def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:
     """An in-place op that capture left in place (see :func:`autoshard.capture.functionalize_inplace`)
     cannot run even replicated: it would mutate a resharded copy of its operand, not the value."""
-    from .capture import INPLACE_REFUSAL, _written_arg
+    from .capture.inplace import INPLACE_REFUSAL, _written_arg
 
     if node.op != "call_function" or _written_arg(node.target) is None:
         return

@@ -12,14 +12,14 @@ is fixed by the main plan, priced like a solved one, with every activation kept.
 :class:`~autoshard.plans.Plan` of its own (``training`` says its mode), stored in the main plan's
 ``other_mode`` by :func:`autoshard.plan` and derived again by :func:`autoshard.parallelize` for plans
 that lack it (older files, plans made from a captured graph). Capturing in a mode is
-:func:`autoshard.meta_capture.capture_in_mode`; the check that two plans lay parameters out alike,
+:func:`autoshard.capture.capture_in_mode`; the check that two plans lay parameters out alike,
 :func:`autoshard.plans.validation.check_layouts_agree` (both re-exported here).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .meta_capture import capture_in_mode
+from .capture import capture_in_mode
 from .plans.errors import ModeError
 from .plans.validation import check_layouts_agree
 

@@ -148,7 +148,7 @@ def master_dtype_of(model: nn.Module) -> torch.dtype:
 def precision_copy(model: nn.Module, mp: MixedPrecision) -> nn.Module:
     """A meta copy of ``model`` with its floating-point parameters in ``param_dtype`` (buffers keep
     their dtype): the model the graph of a mixed-precision plan is captured from."""
-    from .meta_capture import meta_copy
+    from .capture import meta_copy
 
     with torch.device("meta"):
         copy = meta_copy(model)

@@ -258,8 +258,9 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    from autoshard.capture import capture_meta
+    from autoshard.runtime import parallelize
     from autoshard.runtime.init import init_mesh
-    from autoshard.runtime.parallel import capture_meta, parallelize
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

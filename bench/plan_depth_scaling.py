@@ -2,7 +2,7 @@
 Llama-2-7B (32 layers) on 2x4, hardware profile h100-nvlink, batch 4, seq 2048, meta tensors.
 
 Stages, each timed on its own: capture (folded: two shallow exports + unfolding, see
-autoshard/fold.py), enumerate_strategies, build_cost_graph(alias_blocks=True) and the ILP solve
+autoshard/capture/fold.py), enumerate_strategies, build_cost_graph(alias_blocks=True) and the ILP solve
 with default SolverOptions (no memory budget); total is their sum. The ILP is then solved again
 under the profile's memory per device (80 GiB), reported apart: how hard a budget is depends on
 how tight it is at that depth. Also times one full (unfolded) capture of the 80-layer model, and
@@ -24,7 +24,7 @@ from _common import median, write
 
 from autoshard.capture import capture
 from autoshard.enumerate import enumerate_strategies
-from autoshard.fold import capture_preset
+from autoshard.capture import capture_preset
 from autoshard.hardware import load_hardware
 from autoshard.models import build_model
 from autoshard.solver import build_cost_graph

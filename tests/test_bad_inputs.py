@@ -24,13 +24,12 @@ from torch import nn
 import autoshard
 from autoshard import cli
 from autoshard.api import ArgumentError, BudgetError
-from autoshard.capture import CaptureError
+from autoshard.capture import CaptureError, capture_meta
 from autoshard.hardware import HardwareError, HardwareProfile, LinkModel, load_hardware
 from autoshard.mesh import MeshError, MeshSpec
 from autoshard.models import ModelZooError, build_model
 from autoshard.plans import Plan, PlanError, PlanMismatchError
 from autoshard.runtime.inputs import InputBinder, InputError, check_constant, check_tensor
-from autoshard.runtime.parallel import capture_meta
 from autoshard.runtime.replicas import random_nodes
 from autoshard.specs import ShardSpec, SpecError
 

@@ -1,4 +1,4 @@
-"""Tests of folded capture (autoshard.fold): the synthesised graph must be exactly the one a full
+"""Tests of folded capture (autoshard.capture.fold): the synthesised graph must be exactly the one a full
 torch.export of the deep model gives, and anything not periodic must raise FoldError."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoshard import fold
+from autoshard.capture import fold
 from autoshard.capture import CapturedGraph, capture
-from autoshard.fold import FoldError, capture_folded, capture_preset, exported_differences
+from autoshard.capture import FoldError, capture_folded, capture_preset, exported_differences
 from autoshard.models import build_model
 
 # A Llama-2-7B-like config (32 heads, SwiGLU 2.6875x, vocab 32000) narrowed to run in seconds.
@@ -154,11 +154,11 @@ def test_capture_preset_folds_hf_presets_and_falls_back(monkeypatch):
         raise FoldError("not periodic")
     monkeypatch.setattr(fold, "capture_folded", refuse)
     records = _Records()
-    logging.getLogger("autoshard.fold").addHandler(records)
+    logging.getLogger("autoshard.capture.fold").addHandler(records)
     try:
         fallback = capture_preset("gpt2-tiny", num_layers=5)
     finally:
-        logging.getLogger("autoshard.fold").removeHandler(records)
+        logging.getLogger("autoshard.capture.fold").removeHandler(records)
     assert any("not periodic" in m for m in records.messages)
     assert fallback.fingerprint() == full.fingerprint()
 

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
 from autoshard.errors import ArgumentError
-from autoshard.meta_capture import capture_meta
+from autoshard.capture import capture_meta
 from autoshard.plans import Plan, PlanError
 from autoshard.precision import MixedPrecision
 from autoshard.specs import ShardSpec

@@ -16,7 +16,7 @@ and is regenerated, not edited: ``python bench/op_coverage.py && python bench/up
 from . import matmul  # noqa: F401  (registers handlers)
 from . import norms, pointwise, reductions  # noqa: F401  (registers handlers)
 from . import attention, conv, embedding, loss, pooling  # noqa: F401  (registers handlers)
-from . import views, factory  # noqa: F401  (registers handlers)
+from . import reshape, permute_expand, indexing, identity, factory  # noqa: F401  (registers handlers)
 from . import grouped_mm, sorting  # noqa: F401  (registers handlers)
 from .registry import REGISTRY, Handler, handler_for, register, register_replicate_only
 

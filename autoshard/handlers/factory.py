@@ -7,7 +7,7 @@
   dtype/device, so it may be in any layout. ``scalar_tensor`` (0-d) is replicate-only.
 - Higher-order ops that export emits for ``torch.no_grad()`` / ``torch.autocast`` regions
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``): replicate-only; the local kernel runs
-  the wrapped sub-graph on the device of its operands. Their value is a tuple; ``getitem`` (views.py) picks the elements.
+  the wrapped sub-graph on the device of its operands. Their value is a tuple; ``getitem`` (identity.py) picks the elements.
 - Mask-building ops: comparisons and logical/bitwise ops shard like broadcasting pointwise ops;
   ``cumsum``/``diff`` keep their scan dim replicated; ``pad`` keeps padded dims replicated;
   ``tril``/``triu`` shard any dim (a sharded row/column dim shifts the local diagonal).
@@ -28,10 +28,10 @@ from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_
 
 from ..opinfo import OpInfo
 from ..strategy import AxisOption, Strategy
+from .dim_maps import (DimPairs, bound_args, free_operand_options, identity_pairs, local_out_shape,
+                       norm_dim, pair_options, sized_kernel)
 from .pointwise import broadcast_rules
 from .registry import LocalKernel, default_kernel, register, register_replicate_only
-from .views import (DimPairs, bound_args, free_operand_options, identity_pairs, local_out_shape,
-                    norm_dim, pair_options, sized_kernel)
 
 aten = torch.ops.aten
 

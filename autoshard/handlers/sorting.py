@@ -21,7 +21,7 @@ from ..opinfo import OpInfo
 from ..strategy import PARTIAL, AxisOption, Strategy
 from .pointwise import broadcast_rules
 from .registry import LocalKernel, register
-from .views import bound_args, norm_dim
+from .dim_maps import bound_args, norm_dim
 
 aten = torch.ops.aten
 

@@ -170,13 +170,7 @@ def _tensor_edges(cg: "CostGraph") -> Iterable[tuple[str, str, int, int, Any, bo
 def _output_index(cg: "CostGraph", consumer: str, operand: int = 0) -> int:
     """Which output of its producer operand ``operand`` of ``consumer`` reads (a getitem of a
     tuple reads element ``args[1]``, anything else output 0)."""
-    import operator
-
-    node = cg.graph.node(consumer)
-    producer = cg.table[consumer].operand_nodes[operand]
-    if node.target is operator.getitem and isinstance(cg.graph.tensor_meta(producer), tuple):
-        return int(node.args[1])
-    return 0
+    return cg.graph.output_index(consumer, cg.table[consumer].operand_nodes[operand])
 
 
 def _reshards(cg: "CostGraph", choice: dict[str, int]) -> list[ReshardEntry]:

@@ -3,7 +3,10 @@ from .collectives import CommCounter, MeshComm
 from .partition import partitioned_checkpoint
 from .memory_meter import SavedTensorMeter, SavedTensorReport
 from .init import init_mesh
-from .parallel import ParallelModule, PlanDisagreementError, capture_meta, example_inputs, parallelize
+from ..capture import capture_meta
+from .arguments import example_inputs
+from .parallel import ParallelModule, parallelize
+from .plan_agreement import PlanDisagreementError
 from .state import load_checkpoint, save_checkpoint
 
 __all__ = ["partitioned_checkpoint", "SavedTensorMeter", "SavedTensorReport",

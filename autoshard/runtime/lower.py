@@ -250,7 +250,7 @@ class _Lowering:
         if (node.name, j) in self.gathers.uses:   # its group's gather; the reduce-scatter sums its gradient
             return self.gathered[operand.name]
         value = self._working_copy(operand.name)
-        src_output = int(node.args[1]) if node.target is operator.getitem else 0
+        src_output = self.graph.output_index(node, operand)
         if isinstance(value, list):
             value = value[src_output]
         entry = self.reshards.get((node.name, j))

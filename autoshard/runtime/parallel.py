@@ -6,48 +6,41 @@ Each rank holds its shards of every parameter and buffer as plain tensors under 
 (:meth:`ParallelModule.sharded_state_dict`), the gathered state dict and gradients, and the
 global-norm :meth:`ParallelModule.clip_grad_norm_`. It runs the local program that
 :mod:`autoshard.runtime.lower` generates from the plan: the handlers' local kernels with the plan's
-collectives in between. ``pmodel.code`` shows that program.
+collectives in between. ``pmodel.code`` shows that program. What it does with the shards (state
+dicts, gradient clipping) is :mod:`autoshard.runtime.module_shards`; its arguments are checked in
+:mod:`autoshard.runtime.arguments`, and the plan across ranks in :mod:`autoshard.runtime.plan_agreement`.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
-import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..capture import CapturedGraph, TensorMeta
-from ..errors import ArgumentError
+from ..capture import CapturedGraph, TensorMeta, capture_in_mode, meta_copy, to_meta
 from ..mesh import MeshError
-from ..meta_capture import capture_in_mode, capture_meta, meta_copy, to_meta
-from ..plans import ModeError, Plan, PlanError, PlanMismatchError
+from ..plans import ModeError, Plan, PlanError
 from ..plans.validation import check_layouts_agree
 from ..precision import cast_input, cast_inputs, precision_copy
 from ..progress import Progress
 from ..specs import ShardSpec
-from .collectives import CommCounter, MeshComm, gather_whole, shard_input
+from .arguments import capture_as_planned, check_arguments, check_master_dtype, example_inputs
+from .collectives import CommCounter, MeshComm
 from .compiled import CompiledProgram, compile_options, compile_program
 from .constants import ConstantError, lifted_constants
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
-from .replicas import INPUT_CHECKS, REPLICA_MODES, agree_on_step, agree_on_tensors, random_nodes
+from .module_shards import ShardedState
+from .plan_agreement import agree_across_ranks
+from .replicas import agree_on_step, random_nodes
 from .step_watch import StepWatch
 
-log = logging.getLogger(__name__)
-
-__all__ = ["ParallelModule", "PlanDisagreementError", "capture_meta", "example_inputs", "parallelize"]
-
-
-class PlanDisagreementError(PlanError):
-    """Ranks hold different plans, models or meshes (checked before the first step)."""
+__all__ = ["ParallelModule", "parallelize"]
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs: Mapping[str, Any] | None = None,
@@ -142,7 +135,7 @@ class _Mode:
     run: Any                               # what runs the program: its module, or its CompiledProgram
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(ShardedState):
     """The per-rank parallel model (see :func:`parallelize`).
 
     Attributes: ``plan``, ``device_mesh``, ``comm`` (this rank's collectives, with ``comm.counter``
@@ -160,13 +153,13 @@ class ParallelModule(nn.Module):
                  progress: bool = False, compile: bool | Mapping[str, Any] = False) -> None:
         super().__init__()
         self._compile = compile_options(compile)
-        _check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
+        check_arguments(model, plan, device_mesh, input_mode, bucket_bytes, replicas, check_inputs)
         if tuple(device_mesh.shape) != tuple(plan.mesh_shape):
             raise MeshError(f"the plan is for a {plan.mesh} mesh but the device mesh is "
                             f"{'x'.join(map(str, device_mesh.shape))}; plan for this mesh or build the mesh "
                             f"with autoshard.init_mesh({tuple(plan.mesh_shape)})")
         if plan.mixed_precision is not None:
-            _check_master_dtype(model, plan)
+            check_master_dtype(model, plan)
         self.plan = plan
         self.device_mesh = device_mesh
         self.input_mode = input_mode
@@ -178,10 +171,10 @@ class ParallelModule(nn.Module):
         stages = Progress(bool(progress) and dist.get_rank() == 0)
         if graph is None:
             with stages.stage(f"capturing {plan.model_name} on meta tensors"):
-                graph = _capture_meta(model, plan, args, kwargs)
+                graph = capture_as_planned(model, plan, args, kwargs)
         with stages.stage("checking the plan against the graph on every rank"):
             plan.check(graph)
-            serial = _agree_across_ranks(plan, graph, device_mesh)
+            serial = agree_across_ranks(plan, graph, device_mesh)
         self.comm = MeshComm(device_mesh, CommCounter())
         # whether every rank runs backward on the same steps (keys of this model: its serial number)
         self._watch = None if check_inputs == "never" else \
@@ -307,49 +300,6 @@ class ParallelModule(nn.Module):
         """The layout of each flat output of the current mode (see :func:`parallelize`)."""
         return self._mode(self.training).program.output_specs
 
-    # -- state -----------------------------------------------------------------------------------
-
-    def _install_state(self, model: nn.Module, graph: CapturedGraph, checkpoint: str | None, replicas: str) -> None:
-        """Register this rank's shard of every parameter and buffer under all of its original FQNs,
-        in the original module order (so state-dict keys come in the original order). Parameters
-        are plain local tensors (optimizers and autograd see no DTensor dispatch); their layouts are
-        kept in ``self.specs`` and DTensor views are built for checkpoints and state dicts. The
-        ranks' copies are checked equal (or broadcast from rank 0) first, as ``replicas`` says."""
-        from .state import load_local_shards
-
-        placeholders = self._modes[self.plan.training].program.placeholders
-        specs = {p.fqn: p.spec for p in placeholders if p.kind in ("param", "buffer")}
-        canonical = {name: fqn for fqn, names in graph.tied_params.items() for name in names}
-        sources = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
-        sources, self.replicas = agree_on_tensors(sources, "check" if checkpoint is not None else replicas)
-        log.info("autoshard.parallelize: %s", self.replicas)
-        local = load_local_shards(sources, specs, self.comm, self.device, checkpoint)
-        made: dict[str, torch.Tensor] = {}
-        self.specs: dict[str, ShardSpec] = {}
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            owner = _owner(self, f"{prefix}.x" if prefix else "x")[0]
-            for attr, original in [*module._parameters.items(), *module._buffers.items()]:
-                if original is None:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                fqn = canonical.get(name, name)
-                if fqn not in specs:
-                    raise PlanError(f"'{name}' of the model is not in the captured graph's inputs; the plan cannot "
-                                    f"place it (was the model changed after planning?)")
-                if fqn not in made:
-                    made[fqn] = nn.Parameter(local[fqn], requires_grad=original.requires_grad) \
-                        if isinstance(original, nn.Parameter) else local[fqn]
-                self.specs[name] = specs[fqn] or ShardSpec.replicate(original.ndim)
-                if isinstance(original, nn.Parameter):
-                    owner.register_parameter(attr, made[fqn])        # type: ignore[arg-type]
-                else:
-                    owner.register_buffer(attr, made[fqn], persistent=attr not in module._non_persistent_buffers_set)
-
-    def _tensor_of(self, fqn_or_placeholder: str) -> torch.Tensor:
-        owner, attr = _owner(self, fqn_or_placeholder, create=False)
-        return getattr(owner, attr)
-
     def _bucketed(self, mode: _Mode) -> Iterator[tuple[str, tuple[int, ...]]]:
         program = mode.program
         by_name = {p.name: p for p in program.placeholders}
@@ -434,187 +384,6 @@ class ParallelModule(nn.Module):
         """The Python source of this rank's local program."""
         return self.program.code
 
-    # -- state dicts -----------------------------------------------------------------------------
-
-    def _dtensor(self, name: str, t: torch.Tensor) -> DTensor:
-        """A DTensor view of a local shard (same storage: loading into it loads into the module)."""
-        return DTensor.from_local(t.detach(), self.device_mesh, self.specs[name].to_placements(2), run_check=False)
-
-    def sharded_state_dict(self) -> dict[str, DTensor]:
-        """Original FQNs -> DTensor views of this rank's shards (what ``torch.distributed.checkpoint``
-        saves and loads; loading into them loads into the module)."""
-        return {k: self._dtensor(k, v) for k, v in super().state_dict(keep_vars=True).items()}
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
-        # gathered by the runtime's own collectives, one per sharded dim (DTensor's full_tensor gathers
-        # a dim sharded over both axes in two steps and logs a warning about it on every rank)
-        return {k: gather_whole(v.detach(), self.comm, self.specs[k].dims)
-                for k, v in super().state_dict(keep_vars=True).items()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
-        own = super().state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        with torch.no_grad():
-            for k, target in own.items():
-                if k not in state_dict:
-                    continue
-                src = state_dict[k]
-                if isinstance(src, DTensor):
-                    src = src.full_tensor()
-                target.copy_(shard_input(src.to(self.device), self.comm, self.specs[k].dims))
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Parameter FQN -> the full (gathered) gradient, or None (collective)."""
-        return {k: None if p.grad is None else gather_whole(p.grad, self.comm, self.specs[k].dims)
-                for k, p in self.named_parameters()}
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm over all shards, like ``torch.nn.utils.clip_grad_norm_``
-        on the unsharded model; returns that norm (collective). Call this, not torch's function,
-        which would only see this rank's shards."""
-        local = []
-        for name, p in self.named_parameters():
-            if p.grad is None:
-                continue
-            replicas = 1
-            for a, n in enumerate(self.comm.mesh_shape):
-                if a not in self.specs[name].used_axes():
-                    replicas *= n
-            local.append((p.grad, replicas))
-        norm_type = float(norm_type)
-        if norm_type == float("inf"):
-            total = torch.stack([g.detach().abs().max() for g, _ in local]).max() if local \
-                else torch.zeros((), device=self.device)
-            total = self.comm.raw_all_reduce(total.reshape(1).float(), _all_axes(self.comm), op="max",
-                                             phase="optimizer")[0]
-        else:
-            powered = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type / r for g, r in local),
-                          torch.zeros((), device=self.device))
-            total = self.comm.raw_all_reduce(powered.reshape(1), _all_axes(self.comm), phase="optimizer")[0]
-            total = total ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g, _ in local:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
-
     def extra_repr(self) -> str:
         return f"plan={self.plan.model_name!r}, mesh={self.plan.mesh}, coord={self.comm.coord}"
 
-
-# -- helpers -----------------------------------------------------------------------------------------
-
-def _owner(root: nn.Module, fqn: str, create: bool = True) -> tuple[nn.Module, str]:
-    *path, attr = fqn.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            if not create:
-                raise KeyError(f"no module '{part}' on the path to '{fqn}'")
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    return module, attr
-
-
-def _all_axes(comm: MeshComm) -> tuple[int, ...]:
-    return comm.live_axes(range(len(comm.mesh_shape))) or (0,)
-
-
-def _placements(spec: ShardSpec | None, original: torch.Tensor) -> tuple:
-    return (spec or ShardSpec.replicate(original.ndim)).to_placements(2)
-
-
-def example_inputs(plan: Plan) -> tuple[tuple, dict]:
-    """Meta tensors shaped like the inputs the plan was captured with."""
-    sig = plan.inputs
-    if sig is None:
-        raise PlanError("this plan does not record its input shapes; pass args=/kwargs= (example inputs, meta "
-                        "tensors are fine) to parallelize")
-    leaves = [torch.empty(leaf["shape"], dtype=getattr(torch, leaf["dtype"]), device="meta") if "shape" in leaf
-              else leaf["value"] for leaf in sig["leaves"]]
-    args, kwargs = pytree.tree_unflatten(leaves, pytree.treespec_loads(sig["in_spec"]))
-    return tuple(args), dict(kwargs)
-
-
-def _capture_meta(model: nn.Module, plan: Plan, args: Any, kwargs: Mapping[str, Any] | None) -> CapturedGraph:
-    """The graph of ``model`` in the mode the plan was made in (the model's own per-module modes when
-    its root is in that mode)."""
-    if plan.mixed_precision is not None:       # captured as planned: parameters and float inputs in param_dtype
-        model = precision_copy(model, plan.mixed_precision)
-        args, kwargs = cast_inputs(args, kwargs, plan.mixed_precision)
-    if model.training == plan.training:
-        return capture_meta(model, args, kwargs, name=plan.model_name)
-    return capture_in_mode(model, args, kwargs, plan.training, name=plan.model_name)
-
-
-def _check_master_dtype(model: nn.Module, plan: Plan) -> None:
-    """A mixed-precision plan keeps the model's parameters as master weights: they must be in the
-    master dtype the plan was made with (PlanMismatchError otherwise)."""
-    mp = plan.mixed_precision
-    assert mp is not None
-    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
-    if found and found != [mp.master_dtype]:
-        raise PlanMismatchError(f"the plan keeps {mp.master_dtype} master weights ({mp}), but the model's parameters "
-                                f"are {', '.join(found)}; pass the model in {mp.master_dtype} (e.g. model.float()), "
-                                f"as it was planned")
-
-
-def _check_arguments(model: Any, plan: Any, device_mesh: Any, input_mode: Any, bucket_bytes: Any, replicas: Any,
-                     check_inputs: Any) -> None:
-    """ArgumentError for an argument of :func:`parallelize` of the wrong type or not a known value."""
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(f"parallelize needs the nn.Module the plan was made for, got {type(model).__name__}")
-    if not isinstance(plan, Plan):
-        raise ArgumentError(f"parallelize needs a Plan (autoshard.plan(...) or Plan.load(path)), got "
-                            f"{type(plan).__name__}")
-    if not hasattr(device_mesh, "shape") or not hasattr(device_mesh, "device_type"):
-        raise ArgumentError(f"parallelize needs the DeviceMesh of autoshard.init_mesh({tuple(plan.mesh_shape)}), "
-                            f"got {type(device_mesh).__name__}")
-    for label, value, allowed in (("input_mode", input_mode, ("global", "local")), ("replicas", replicas, REPLICA_MODES),
-                                  ("check_inputs", check_inputs, INPUT_CHECKS)):
-        if value not in allowed:
-            raise ArgumentError(f"{label} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ArgumentError(f"bucket_bytes must be an int >= 1 (bytes per gradient all-reduce bucket, e.g. 25 * 2**20), "
-                            f"got {bucket_bytes!r}")
-
-
-_DECIDING_FIELDS = ("fingerprint", "mesh_shape", "hardware", "memory_budget", "solver_options", "nodes",
-                    "segments", "reshards", "inputs", "outputs", "training", "other_mode",
-                    "mixed_precision")
-
-
-def _plan_digest(plan: Plan) -> str:
-    """Hash of what a plan decides (not of when or how fast it was solved: ranks that each solve the
-    same problem agree)."""
-    full = plan.to_dict()
-    data = {k: full[k] for k in _DECIDING_FIELDS}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-
-
-_next_serial = 0            # the serial number this process proposes for its next parallel model
-
-
-def _agree_across_ranks(plan: Plan, graph: CapturedGraph, device_mesh) -> int:
-    """Every rank must hold the same plan for the same graph on the same mesh; a difference is an
-    error on every rank (never a hang: all ranks reach this exchange). Returns the model's serial
-    number, the same on every rank and new in this process (the largest any rank proposes)."""
-    global _next_serial
-    mine = {"plan": _plan_digest(plan), "graph": graph.fingerprint(), "mesh": list(device_mesh.shape)}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {**mine, "serial": _next_serial})
-    serial = max(theirs.pop("serial") for theirs in everyone)
-    _next_serial = serial + 1
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        what = sorted({k for r in differ for k in mine if everyone[r][k] != everyone[0][k]})
-        raise PlanDisagreementError(f"ranks {differ} differ from rank 0 in {', '.join(what)}: every rank must "
-                                    f"load the same plan for the same model (save it once, load it everywhere)")
-    return serial

@@ -5,7 +5,6 @@ blocks aliased to share decision variables. The graph's types and what they mean
 :mod:`.costgraph`."""
 from __future__ import annotations
 
-import operator
 import time
 from typing import TYPE_CHECKING
 
@@ -353,11 +352,7 @@ class _Builder:
 
     def _src_output(self, consumer: str, operand: int) -> int:
         """Which element of the producer's outputs operand ``operand`` of ``consumer`` reads."""
-        node = self.fx[consumer]
-        producer = self.table[consumer].operand_nodes[operand]
-        if node.target is operator.getitem and isinstance(self.graph.tensor_meta(producer), tuple):
-            return int(node.args[1])
-        return 0
+        return self.graph.output_index(self.fx[consumer], self.table[consumer].operand_nodes[operand])
 
     def _tensor(self, producer: str, out_idx: int) -> TensorMeta | None:
         meta = self.graph.tensor_meta(producer)

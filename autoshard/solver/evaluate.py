@@ -6,7 +6,6 @@ reports), :func:`objective_of` (the ILP's objective there), and the gradient syn
 from __future__ import annotations
 
 import math
-import operator
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -138,8 +137,7 @@ def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
         if producer not in cg.node_of:
             return False
         wanted = strategy_of(name).input_specs[j]
-        out = (int(node.args[1]) if node.target is operator.getitem and isinstance(graph.tensor_meta(producer), tuple)
-               else 0)
+        out = graph.output_index(node, producer)
         return wanted is not None and strategy_of(producer).output_specs[out] != wanted
 
     return plan_gradient_reduction(grad_nodes(graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,

@@ -389,7 +389,7 @@ def test_ranks_with_different_plans_fail_on_every_rank():
 def test_ranks_that_each_plan_identically_agree():
     """Every rank makes its own plan with the same deterministic call (the usual script): the
     decisions are identical, so parallelize must accept them. Today it raises PlanDisagreementError:
-    the plan digest in ``parallel._plan_digest`` drops ``created`` and ``timings`` but not the solver's
+    the plan digest in ``plan_agreement._plan_digest`` drops ``created`` and ``timings`` but not the solver's
     ``solve_seconds``/``build_seconds``, which differ from run to run."""
     name = "mlp"
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .capture import CapturedGraph, capture
+from .export import capture
+from .graph import CapturedGraph
 
 __all__ = ["capture_in_mode", "capture_meta", "meta_copy", "to_meta"]
 

@@ -1,0 +1,55 @@
+"""Measure a hardware profile of the running cluster (``autoshard profile``), under torchrun.
+
+Every rank runs :func:`~autoshard.profile.measure.measure_profile`, and every measurement runs on
+all ranks at once, as ranks compute and communicate together in training (ranks that share CPU
+cores or a host's memory bandwidth slow each other down, and the profile must say so). One timing
+helper, :func:`~autoshard.profile.timing._median_time`, times everything: each timed run starts
+right after a barrier, the median over runs is kept, and then the maximum over ranks (the slowest
+rank sets the pace of a step).
+
+- **Links.** For each mesh axis with more than one device it times all-reduce at several message
+  sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
+  :func:`~autoshard.profile.collectives._time_collective`) and fits the ring model of
+  :mod:`autoshard.comm`, ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on
+  relative error (so the small messages that pin down alpha weigh as much as the large ones that
+  pin down beta).
+- **Roofline.** FLOP/s of a large square matmul, memory bandwidth of a large copy (read + write
+  bytes) and, on CUDA, pinned host<->device copies: the fallback for ops without a measured curve.
+- **Compute curves** (``compute`` in the profile, see :mod:`autoshard.hardware`), float32 and on CUDA
+  also bfloat16: forward and backward seconds of one op against its forward work, for the families
+  ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
+  ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
+  ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add, mul,
+  tanh-GELU and SiLU at equal bytes), ``norm`` (``F.layer_norm``) and ``loss`` (``F.cross_entropy``
+  over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
+  ``FlopCounterMode`` on meta tensors of the same shapes (as :mod:`autoshard.opinfo` profiles a
+  node), or bytes of the op's tensor inputs and outputs. An op is timed in a chain of ``k``
+  identical ops, each one's output the next one's input, as ops follow each other in a model: the
+  forward of the chain and its backward (one ``autograd.grad`` for the gradients of every float
+  input) divided by ``k``. Small ops get long chains, so that the per-op dispatch and autograd
+  overheads are those of a step, not those of a lone call; large ops a chain of one.
+- **Optimizer.** ``torch.optim.AdamW.step`` (torch's default implementation for the device) over
+  parameter lists of several tensor counts and sizes, fitted to ``n * per_tensor + bytes * per_byte``
+  (least squares on relative error, both coefficients >= 0).
+- **Overlap.** How much of an async all-reduce over all ranks hides behind compute: a matmul loop
+  alone (C), an all-reduce sized to take about as long alone (A), and the all-reduce launched with
+  ``async_op=True`` while the loop runs (T); ``overlap = clamp((C + A - T) / min(C, A), 0, 1)``.
+
+Rank 0 writes the YAML.
+
+
+Modules, by job: ``timing.py`` (the process group and the one timing helper), ``collectives.py``
+(links: collectives as a step issues them, overlap with compute), ``compute.py`` (roofline,
+per-family compute curves, the optimizer step), ``fitting.py`` (the models fitted to the timings),
+``measure.py`` (every measurement on all ranks, assembled into a HardwareProfile) and
+``command.py`` (the ``autoshard profile`` command: options, the YAML rank 0 writes, its summary).
+"""
+from .collectives import MEASURED_KINDS
+from .command import add_profile_arguments, main, run_profile
+from .compute import COMPUTE_OPS, op_work
+from .fitting import fit_alpha_beta, fit_optimizer, overlap_fraction
+from .measure import DEFAULT_SIZES, measure_profile
+from .timing import ProfileError
+
+__all__ = ["COMPUTE_OPS", "DEFAULT_SIZES", "MEASURED_KINDS", "ProfileError", "add_profile_arguments", "fit_alpha_beta",
+           "fit_optimizer", "main", "measure_profile", "op_work", "overlap_fraction", "run_profile"]

@@ -1,0 +1,94 @@
+"""Link measurements: collectives timed as a training step issues them (between slices of compute,
+all groups of a mesh axis at once), and how much of an async all-reduce hides behind compute.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .timing import ProfileError, _max_over_ranks, _median_time
+
+__all__ = ["MEASURED_KINDS"]
+
+_ISSUED_RUN_S = 0.05
+"""Seconds per timed run of the loops of :func:`_time_collective`."""
+
+
+MEASURED_KINDS = ("all_gather", "reduce_scatter")
+"""Collective kinds timed besides the all-reduce, for their own links (a backend may run them quite
+unlike a ring: gloo's reduce-scatter costs about an all-reduce whatever the size)."""
+
+
+def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torch.device) -> Callable[[], None]:
+    """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm`:
+    the gathered output, the scattered input, the reduced buffer) on ``group``."""
+    n = dist.get_world_size(group)
+    whole = torch.ones(max(n, nbytes // 4 // n * n), dtype=torch.float32, device=device)
+    piece = torch.ones(whole.numel() // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(whole, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(whole, piece, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(piece, whole, group=group)
+    raise ProfileError(f"no timing for collective kind {kind!r}")
+
+
+def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
+                     iters: int, warmup: int) -> list[float]:
+    """Seconds a ``kind`` collective adds to a step, issued as a step issues its collectives: a loop
+    of a slice of compute and one collective, less the same loop without it. Every rank computes
+    between collectives, so each collective pays for waking the ranks that wait in it while the
+    others compute: where ranks share CPU cores that costs milliseconds that a lone
+    barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms)."""
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device)
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    alone = _median_time(compute, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
+    out = []
+    for size in sizes:
+        collective = _collective(kind, size, group, device)
+
+        def step() -> None:
+            compute()
+            collective()
+
+        with_comm = _median_time(step, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
+        out.append(max(with_comm - alone, 0.05 * with_comm))      # noise must not make it vanish
+    return out
+
+
+def _measure_overlap(device: torch.device, iters: int) -> dict[str, list[float]]:
+    """Seconds of a matmul loop alone (C), an all-reduce over all ranks of about as long alone (A), and
+    the all-reduce launched asynchronously while the loop runs (T)."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device)
+    one = _max_over_ranks([_median_time(lambda: torch.mm(a, a), device, iters, 2)], device)[0]
+    reps = max(1, math.ceil(0.05 / one))                # a loop of about 50 ms
+
+    def compute() -> None:
+        for _ in range(reps):
+            torch.mm(a, a)
+
+    c = _median_time(compute, device, iters, 1)
+    probe = torch.ones(2**20, device=device)            # 4 MiB: scale the message to A ~ C
+    a_probe = _max_over_ranks([_median_time(lambda: dist.all_reduce(probe), device, iters, 1)], device)[0]
+    c_all = _max_over_ranks([c], device)[0]
+    numel = int(min(2**26, max(2**14, probe.numel() * c_all / a_probe)))
+    buf = torch.ones(numel, device=device)
+    a_alone = _median_time(lambda: dist.all_reduce(buf), device, iters, 1)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t = _median_time(both, device, iters, 1)
+    return {"overlap.seconds": [c, a_alone, t], "overlap.bytes": [4.0 * numel] * 3}

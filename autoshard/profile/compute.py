@@ -1,0 +1,259 @@
+"""Compute measurements: the roofline fallback (a large matmul, a large copy, pinned host copies on
+CUDA), per-family compute curves (forward and backward seconds per op against its forward work,
+each op timed in a chain of identical ops) and the optimizer step.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..hardware import COMPUTE_FAMILIES, ComputeCurve
+from ..progress import Progress
+from .timing import ProfileError, _barrier, _dtypes, _median_time
+
+__all__ = ["COMPUTE_OPS", "op_work"]
+
+_COPY_BYTES = 64 * 2**20
+
+
+def _matmul_seconds(dtype: torch.dtype, n: int, device: torch.device, iters: int, warmup: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return _median_time(lambda: torch.mm(a, b), device, iters, warmup)
+
+
+def _copy_seconds(src: torch.Tensor, dst: torch.Tensor, device: torch.device, iters: int, warmup: int) -> float:
+    return _median_time(lambda: dst.copy_(src, non_blocking=True), device, iters, warmup)
+
+
+@dataclass(frozen=True)
+class _Local:
+    """This rank's local measurements, as seconds (so that the max over ranks is the slowest)."""
+
+    matmul_n: int
+    matmul_s: dict[str, float]
+    copy_s: float
+    host_copy_s: float | None
+
+
+def _measure_local(device: torch.device, iters: int, warmup: int) -> _Local:
+    cuda = device.type == "cuda"
+    n = 8192 if cuda else 1024
+    _barrier(None, device)  # all ranks measure together, as they compute together in training
+    matmul = {name: _matmul_seconds(dt, n, device, iters, warmup) for name, dt in _dtypes(device).items()}
+    src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    copy = _copy_seconds(src, torch.empty_like(src), device, iters, warmup)
+    host = None
+    if cuda:
+        pinned = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+        host = max(_copy_seconds(pinned, src, device, iters, warmup),
+                   _copy_seconds(src, pinned, device, iters, warmup))
+    return _Local(n, matmul, copy, host)
+
+
+# -- compute curves -------------------------------------------------------------------------------------
+# Sizes per family, smallest first; CUDA adds larger ones (a GPU reaches its rate much later).
+# matmul: tokens, in, out: thin (fewer tokens than features), square and MLP-wide, 1.3e5 .. 9.7e9 FLOPs
+MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (512, 512, 512),
+                 (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))
+CONV_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
+ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
+                    (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
+POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
+NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
+LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
+CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
+              "pointwise": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),)}
+OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
+_CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
+_MAX_CHAIN = 64                                 # ... or this many ops
+_COMPUTE_TIMING = {"budget_s": 1.0,            # seconds per timing, about, at most (at least 3 runs)
+                   "run_s": 0.03}               # seconds per timed run, at least (see _median_time)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One op to time: ``fn(x, *params(i))`` is instance ``i``; its output is the next one's ``x``."""
+
+    fn: Callable[..., torch.Tensor]
+    x: torch.Tensor
+    params: Callable[[int], tuple]
+    chain: bool = True        # False: the output cannot feed the next instance (a scalar loss)
+
+
+def _leaf(shape: Sequence[int], dtype: torch.dtype, device: torch.device, scale: float = 1.0,
+          shift: float = 0.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device) * scale + shift).to(dtype).requires_grad_()
+
+
+def _linear(shape, dtype, device) -> _Op:
+    t, n_in, n_out = shape
+
+    def params(i: int) -> tuple:          # in -> out, then out -> in: the chain keeps its shapes
+        a, b = (n_in, n_out) if i % 2 == 0 else (n_out, n_in)
+        return _leaf((b, a), dtype, device, a ** -0.5), _leaf((b,), dtype, device, 0.1)
+
+    return _Op(F.linear, _leaf((t, n_in), dtype, device), params)
+
+
+def _conv2d(shape, dtype, device) -> _Op:
+    """3x3 convolution, C -> C channels, padding 1 (the chain keeps its shape), with bias."""
+    channels = shape[1]
+
+    def params(i: int) -> tuple:
+        return (_leaf((channels, channels, 3, 3), dtype, device, (9 * channels) ** -0.5),
+                _leaf((channels,), dtype, device, 0.1))
+
+    def conv(x, w, b):
+        return F.conv2d(x, w, b, padding=1)
+
+    return _Op(conv, _leaf(shape, dtype, device), params)
+
+
+def _attention(shape, dtype, device) -> _Op:
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return _Op(sdpa, _leaf(shape, dtype, device), lambda i: (_leaf(shape, dtype, device), _leaf(shape, dtype, device)))
+
+
+def _unary(fn):
+    def build(units, dtype, device) -> _Op:
+        return _Op(fn, _leaf((3 * units,), dtype, device), lambda i: ())
+    return build
+
+
+def _binary(fn):
+    def build(units, dtype, device) -> _Op:       # the other operand near 1: a chain of muls stays normal
+        return _Op(fn, _leaf((2 * units,), dtype, device), lambda i: (_leaf((2 * units,), dtype, device, 0.1, 1.0),))
+    return build
+
+
+def _layer_norm(shape, dtype, device) -> _Op:
+    def norm(x, w, b):
+        return F.layer_norm(x, x.shape[-1:], w, b)
+
+    h = shape[-1]
+    return _Op(norm, _leaf(shape, dtype, device), lambda i: (_leaf((h,), dtype, device, 0.1, 1.0),
+                                                            _leaf((h,), dtype, device, 0.1)))
+
+
+def _cross_entropy(shape, dtype, device) -> _Op:
+    tokens, vocab = shape
+    target = torch.randint(0, vocab, (tokens,), device=device)
+    return _Op(F.cross_entropy, _leaf(shape, dtype, device), lambda i: (target,), chain=False)
+
+
+# family -> (sizes, the ops whose median is the family's time at a size)
+COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
+    "matmul": (MATMUL_SHAPES, (_linear,)),
+    "conv": (CONV_SHAPES, (_conv2d,)),
+    "attention": (ATTENTION_SHAPES, (_attention,)),
+    "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul),
+                                    _unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu))),
+    "norm": (NORM_SHAPES, (_layer_norm,)),
+    "loss": (LOSS_SHAPES, (_cross_entropy,)),
+}
+
+
+def op_work(family: str, op: _Op) -> float:
+    """Forward work of one instance as autoshard counts it: FlopCounterMode FLOPs on meta tensors of
+    the same shapes (what :mod:`autoshard.opinfo` does), or bytes of tensor inputs + outputs."""
+    args = [torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+            for t in (op.x, *op.params(0))]
+    with FlopCounterMode(display=False) as counter:
+        out = op.fn(*args)
+    if COMPUTE_FAMILIES[family] == "FLOPs":
+        return float(counter.get_total_flops())
+    return float(sum(t.numel() * t.element_size() for t in (*args, out)))
+
+
+def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[float, float, float]:
+    """(work, forward seconds, backward seconds) of one instance, timed in a chain."""
+    work = op_work(family, op)
+    k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0)))) if op.chain else 1
+    params = [op.params(i) for i in range(k)]
+    leaves = [op.x] + [p for ps in params for p in ps if p.requires_grad]
+
+    def forward() -> torch.Tensor:
+        y = op.x
+        for ps in params:
+            y = op.fn(y, *ps)
+        return y
+
+    out = forward()
+    grad = torch.ones_like(out)
+    fwd = _median_time(forward, device, iters, 1, **_COMPUTE_TIMING)
+    bwd = _median_time(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True),
+                       device, iters, 1, **_COMPUTE_TIMING)
+    return work, fwd / k, bwd / k
+
+
+def _compute_sizes(family: str, device: torch.device, points: int | None) -> tuple:
+    sizes = COMPUTE_OPS[family][0] + (CUDA_SIZES[family] if device.type == "cuda" else ())
+    return sizes if points is None else sizes[:points]
+
+
+def _measure_compute(device: torch.device, iters: int, points: int | None,
+                     progress: Progress | None = None) -> dict[str, list[float]]:
+    """This rank's compute timings: ``'<dtype>.<family>.<work|fwd|bwd>'`` -> one value per size."""
+    out: dict[str, list[float]] = {}
+    progress = progress or Progress(False)
+    for dname, dtype in _dtypes(device).items():
+        for family, (_, builders) in COMPUTE_OPS.items():
+            sizes = _compute_sizes(family, device, points)
+            with progress.stage(f"timing {dname} {family} compute ({len(sizes)} sizes)"):
+                rows = _time_family(family, builders, sizes, dtype, device, iters)
+            for j, field in enumerate(("work", "fwd", "bwd")):
+                out[f"{dname}.{family}.{field}"] = [r[j] for r in rows]
+    return out
+
+
+def _time_family(family: str, builders, sizes, dtype: torch.dtype, device: torch.device,
+                 iters: int) -> list[tuple[float, float, float]]:
+    """(work, median forward s, median backward s) per size of one compute family."""
+    rows = []
+    for size in sizes:
+        _barrier(None, device)
+        timed = [_time_op(family, build(size, dtype, device), device, iters) for build in builders]
+        works = {w for w, _, _ in timed}
+        if len(works) != 1:
+            raise ProfileError(f"the {family} ops at size {size} differ in work: {sorted(works)}")
+        rows.append((works.pop(), statistics.median(f for _, f, _ in timed),
+                     statistics.median(b for _, _, b in timed)))
+    return rows
+
+
+def _compute_curve(agreed: dict[str, list[float]], key: str) -> ComputeCurve:
+    """The curve of one family: its times made non-decreasing in work (a time above that of a
+    larger size is scheduling noise of ranks sharing cores, clipped to the larger size's time)."""
+    def non_decreasing(times: list[float]) -> tuple[float, ...]:
+        out = list(times)
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return tuple(out)
+
+    return ComputeCurve(tuple(agreed[f"{key}.work"]), non_decreasing(agreed[f"{key}.fwd"]),
+                        non_decreasing(agreed[f"{key}.bwd"]))
+
+
+def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float]]:
+    """AdamW step seconds over each parameter list of :data:`OPTIMIZER_PARAMS` (float32)."""
+    seconds = []
+    for n, numel in OPTIMIZER_PARAMS:
+        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn(numel, device=device) * 1e-3
+        opt = torch.optim.AdamW(params)
+        opt.step()                                    # creates the state: not part of a step's time
+        _barrier(None, device)
+        seconds.append(_median_time(opt.step, device, iters, 1, **_COMPUTE_TIMING))
+    return {"optimizer.n_tensors": [float(n) for n, _ in OPTIMIZER_PARAMS],
+            "optimizer.bytes": [float(4 * n * numel) for n, numel in OPTIMIZER_PARAMS],
+            "optimizer.seconds": seconds}

@@ -1,0 +1,78 @@
+"""The models ``autoshard profile`` fits to its timings: alpha-beta links (ring model), the
+optimizer step's per-tensor and per-byte cost, and the overlap of communication with compute.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+from ..hardware import LinkModel, OptimizerModel
+from .timing import ProfileError
+
+__all__ = ["fit_alpha_beta", "fit_optimizer", "overlap_fraction"]
+
+
+def _fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(c0, c1)`` minimising sum(((c0 + c1*x - y) / y)^2), with ``c0 >= 0``."""
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    swx = sum(wi * x for wi, x in zip(w, xs))
+    swxx = sum(wi * x * x for wi, x in zip(w, xs))
+    swy = sum(wi * y for wi, y in zip(w, ys))
+    swxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * swxx - swx * swx
+    c0 = (swy * swxx - swx * swxy) / det
+    if c0 < 0:  # latency below the noise: fit the bandwidth term alone
+        return 0.0, swxy / swxx
+    return c0, (sw * swxy - swx * swy) / det
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], n: int, kind: str = "all_reduce",
+                   fallback: LinkModel | None = None) -> LinkModel:
+    """Alpha-beta link from timings of a ``kind`` collective on a group of ``n`` devices (ring model
+    of comm.py: an all-reduce is two rings, the other kinds one). Where the time does not grow with
+    the size (a backend that runs the collective as something else), ``fallback``'s beta is kept
+    and alpha fitted to the times."""
+    if n < 2:
+        raise ProfileError(f"an axis of {n} device(s) has no communication to fit")
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ProfileError("need timings at two or more distinct message sizes to fit alpha and beta")
+    if min(seconds) <= 0:
+        raise ProfileError(f"non-positive timing in {list(seconds)}")
+    rings = 2 if kind == "all_reduce" else 1
+    c0, c1 = _fit_affine(nbytes, seconds)
+    if c1 <= 0 and fallback is not None:
+        c1 = fallback.beta * rings * (n - 1) / n
+        c0 = statistics.median(t - c1 * b for b, t in zip(nbytes, seconds))
+    if c1 <= 0:
+        raise ProfileError(f"{kind} time does not grow with message size ({list(seconds)} s for "
+                           f"{list(nbytes)} B); measure larger messages (--sizes) or more --iters")
+    return LinkModel(alpha=max(c0, 0.0) / (rings * (n - 1)), beta=c1 / (rings * (n - 1) / n))
+
+
+def fit_optimizer(n_tensors: Sequence[int], nbytes: Sequence[float], seconds: Sequence[float]) -> OptimizerModel:
+    """``t = n * per_tensor + bytes * per_byte`` by least squares on relative error, both >= 0."""
+    if not len(n_tensors) == len(nbytes) == len(seconds) or len(seconds) < 2 or min(seconds) <= 0:
+        raise ProfileError(f"need two or more positive optimizer timings, got {list(seconds)}")
+    w = [1.0 / (t * t) for t in seconds]
+    a11 = sum(wi * n * n for wi, n in zip(w, n_tensors))
+    a12 = sum(wi * n * b for wi, n, b in zip(w, n_tensors, nbytes))
+    a22 = sum(wi * b * b for wi, b in zip(w, nbytes))
+    r1 = sum(wi * n * t for wi, n, t in zip(w, n_tensors, seconds))
+    r2 = sum(wi * b * t for wi, b, t in zip(w, nbytes, seconds))
+    det = a11 * a22 - a12 * a12
+
+    def error(pt: float, pb: float) -> float:
+        return sum(wi * (pt * n + pb * b - t) ** 2 for wi, n, b, t in zip(w, n_tensors, nbytes, seconds))
+
+    candidates = [(r1 / a11, 0.0), (0.0, r2 / a22)]       # one coefficient at its bound
+    if det > 0:
+        pt, pb = (r1 * a22 - r2 * a12) / det, (r2 * a11 - r1 * a12) / det
+        if pt >= 0 and pb >= 0:
+            candidates.append((pt, pb))
+    return OptimizerModel(*min(candidates, key=lambda c: error(*c)))
+
+
+def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of the shorter of compute and communication hidden when both run at once, in [0, 1]."""
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))

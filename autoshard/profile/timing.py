@@ -1,0 +1,104 @@
+"""Timing on all ranks at once: the process group (from torchrun's environment), barriers, the
+maximum over ranks, and :func:`_median_time`, the one helper every measurement is timed with.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProfileError"]
+
+_INIT_TIMEOUT = datetime.timedelta(minutes=5)  # a dead rank fails the run instead of hanging it
+
+
+class ProfileError(RuntimeError):
+    """The measurement cannot run (not under torchrun, mesh/world mismatch) or gave unusable data."""
+
+
+# -- process group ---------------------------------------------------------------------------------------
+def _ensure_initialised() -> bool:
+    """Initialise torch.distributed from torchrun's environment; True if this call did it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ProfileError("autoshard profile must run under torchrun on every rank, e.g. "
+                           "`torchrun --nproc_per_node=4 -m autoshard.profile --mesh 2x2`")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=_INIT_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", timeout=_INIT_TIMEOUT)
+    return True
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier(group: "dist.ProcessGroup | None", device: torch.device) -> None:
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def _max_over_ranks(values: list[float], device: torch.device,
+                    group: "dist.ProcessGroup | None" = None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+# -- timing -------------------------------------------------------------------------------------------
+def _median_time(fn: Callable[[], object], device: torch.device, iters: int, warmup: int,
+                 group: "dist.ProcessGroup | None" = None, *, budget_s: float | None = None,
+                 run_s: float = 0.0) -> float:
+    """Median seconds of one call of ``fn`` over ``iters`` runs, each started right after a barrier on
+    ``group``.
+
+    With ``run_s``, a run calls ``fn`` back to back for at least that long: ranks that share CPU cores
+    take turns in scheduler time slices of milliseconds, and a shorter run would be timed while the
+    others wait (as if alone). With ``budget_s``, fewer runs (at least 3) are made where ``iters``
+    would take longer than that. Both counts come from the slowest rank's fastest warm-up call, so
+    that every rank makes the same number of calls (the barriers are collective).
+    """
+    fastest = math.inf
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        fastest = min(fastest, time.perf_counter() - t0)
+    calls = 1
+    if (budget_s is not None or run_s > 0) and warmup:
+        slowest = _max_over_ranks([fastest], device, group)[0]
+        calls = max(1, math.ceil(run_s / slowest))
+        if budget_s is not None:
+            iters = min(iters, max(3, int(budget_s / (calls * slowest))))
+    times = []
+    for _ in range(iters):
+        _barrier(group, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _dtypes(device: torch.device) -> dict[str, torch.dtype]:
+    return {"float32": torch.float32, **({"bfloat16": torch.bfloat16} if device.type == "cuda" else {})}
