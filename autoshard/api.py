@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import CapturedGraph, TensorMeta, capture, capture_meta
+from .capture import CapturedGraph, TensorMeta, capture_meta
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec

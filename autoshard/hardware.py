@@ -290,7 +290,7 @@ ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL)
-"""The collective kinds: a profile may give measured links per kind, and :mod:`autoshard.comm` prices
+"""The collective kinds: a profile may give measured links per kind, and :mod:`autoshard.comm_cost` prices
 each kind (re-exported there)."""
 
 KIND_GROUPS = ("axis0", "axis1", "world")

@@ -18,7 +18,7 @@ for each mesh axis ``a`` (``n_a`` devices), the moves are:
 - ``to_partial``: make an unused axis ``a`` partial: the coordinate 0 of ``a`` keeps the value,
   the others hold zeros. Local, cost 0; it makes partial targets reachable.
 
-Byte counts follow :mod:`autoshard.comm` and every cost is computed from the local shard of the
+Byte counts follow :mod:`autoshard.comm_cost` and every cost is computed from the local shard of the
 CURRENT spec. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
 broken by fewer steps. Every fitting spec is reachable from every other (all-reduce the partial
 axes and gather innermost-first down to replicated; then make the target's partial axes and split
@@ -34,7 +34,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Collective, collective_cost
+from .comm_cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Collective, collective_cost
 from .hardware import HardwareProfile, LinkModel
 from .specs import ShardSpec, SpecError, all_specs
 from .units import format_bytes
@@ -52,7 +52,7 @@ class ReshardError(ValueError):
 @dataclass(frozen=True)
 class ReshardStep:
     """One move. ``dims``: ``(d,)`` for all_gather/split/reduce_scatter, ``(from, to)`` for
-    all_to_all, ``()`` for all_reduce/to_partial. ``nbytes`` per device, comm.py convention."""
+    all_to_all, ``()`` for all_reduce/to_partial. ``nbytes`` per device, comm_cost.py convention."""
 
     kind: str
     axis: int

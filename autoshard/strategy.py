@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .mesh import MeshSpec
 from .phases import Phase
 from .specs import ShardSpec
 
@@ -39,7 +38,7 @@ class ExtraComm:
     """A collective an option needs beyond partial-output and gradient all-reduces (e.g. sync-BN stats).
 
     ``nbytes(op, input_specs, output_specs)`` gives the per-device buffer size in bytes, using the
-    byte convention of :mod:`autoshard.comm` for ``kind``.
+    byte convention of :mod:`autoshard.comm_cost` for ``kind``.
     """
 
     kind: str
@@ -81,7 +80,7 @@ class CommAction:
     operand: str          # "out0", "in1", ... : which tensor it moves (or a description)
     cost: float           # seconds
     bucketed: bool = False  # a parameter's gradient all-reduce: the runtime batches these into
-                            # buckets after backward (autoshard.comm.grad_buckets), priced there
+                            # buckets after backward (autoshard.comm_cost.grad_buckets), priced there
 
     def __str__(self) -> str:
         ax = "".join(str(a) for a in self.axes)
@@ -223,7 +222,7 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
     would duplicate strategies without changing anything). ``family`` is the op's handler family
     (see :func:`compute_seconds`); None prices compute by the roofline.
     """
-    from .comm import collective_cost
+    from .comm_cost import collective_cost
 
     mesh_shape = op.mesh.shape
     n_in, n_out = len(op.operands), len(op.outputs)

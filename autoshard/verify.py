@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .comm_api import MeshCoordinates
+from .kernel_comm import MeshCoordinates
 from .opinfo import OpInfo
 from .specs import ShardSpec
 from .strategy import BWD, FWD, Strategy
@@ -93,7 +93,7 @@ class _Rendezvous:
 
 
 class SimulatedComm(MeshCoordinates):
-    """DeviceComm of one thread of a simulated mesh (see :mod:`autoshard.comm_api`)."""
+    """DeviceComm of one thread of a simulated mesh (see :mod:`autoshard.kernel_comm`)."""
 
     def __init__(self, rendezvous: _Rendezvous, coord: tuple[int, ...]):
         self.rv = rendezvous

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from _common import write
 
 from autoshard import capture, enumerate_strategies
-from autoshard.comm import grad_buckets
+from autoshard.comm_cost import grad_buckets
 from autoshard.models import build_model
 from autoshard.solver import CostGraph, build_cost_graph
 from autoshard.solver.baselines import BASELINES, baseline_minimum_budget, parameter_nodes, solve_baseline

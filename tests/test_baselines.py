@@ -9,9 +9,10 @@ from autoshard.capture import capture
 from autoshard.enumerate import enumerate_strategies
 from autoshard.models import build_model
 from autoshard.solver import CostGraph, build_cost_graph
-from autoshard.solver.baselines import (BASELINES, COLUMN, ROW, data_parallel, input_nodes, linear_roles,
-                                        megatron, parameter_nodes, restriction, solve_baseline, zero3)
+from autoshard.solver.baselines import (BASELINES, data_parallel, input_nodes, megatron, parameter_nodes, restriction,
+                                        solve_baseline, zero3)
 from autoshard.solver.ilp import SolverOptions, objective_of, solve
+from autoshard.solver.tp_roles import COLUMN, ROW, linear_roles
 from autoshard.specs import ShardSpec
 
 pytest.importorskip("transformers")

@@ -345,7 +345,7 @@ def test_a_measured_world_link_prices_collectives_over_both_axes():
     hierarchical and flat algorithms over the two axis links."""
     import dataclasses
 
-    from autoshard.comm import collective_cost
+    from autoshard.comm_cost import collective_cost
     from autoshard.hardware import HardwareProfile, LinkModel, load_hardware
 
     hw = load_hardware("h100-nvlink")
@@ -369,7 +369,7 @@ def test_measured_links_of_other_collective_kinds_price_those_kinds():
     costs about an all-reduce at any size); kinds and groups without one use the all-reduce's."""
     import dataclasses
 
-    from autoshard.comm import collective_cost
+    from autoshard.comm_cost import collective_cost
     from autoshard.hardware import HardwareProfile, LinkModel, load_hardware
 
     hw = dataclasses.replace(load_hardware("cpu-gloo"), kinds={})       # all-reduce links only

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from autoshard.comm import collective_cost
+from autoshard.comm_cost import collective_cost
 from autoshard.hardware import HardwareProfile, LinkModel
 from autoshard.reshard import ReshardError, reshard_cost, reshard_plan, reshard_table
 from autoshard.specs import ShardSpec, all_specs

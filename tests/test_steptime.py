@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.comm import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
+from autoshard.comm_cost import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
 from autoshard.hardware import load_hardware
 from autoshard.solver.steptime import (SyncedGradient, SyncPricing, exposed_grad_sync, optimizer_seconds,
                                        overlap_fraction)

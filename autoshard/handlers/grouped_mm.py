@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from ..comm_api import DeviceComm
+from ..kernel_comm import DeviceComm
 from ..opinfo import OpInfo
 from ..strategy import PARTIAL, AxisOption, Strategy
 from .registry import LocalKernel, default_kernel, register

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..comm_api import DeviceComm
+from ..kernel_comm import DeviceComm
 from ..opinfo import OpInfo
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, AxisOption, ExtraComm, Strategy

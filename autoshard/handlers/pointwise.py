@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ..opinfo import OpInfo, UnsupportedOpError
-from ..comm_api import DeviceComm
+from ..kernel_comm import DeviceComm
 from ..strategy import AxisOption, Strategy
 from .registry import LocalKernel, default_kernel, register
 

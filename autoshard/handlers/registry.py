@@ -23,7 +23,7 @@ class LocalKernel:
     local shards) and shape-like arguments rewritten for local shapes. ``epilogue``, if set, runs on
     the outputs after the strategy's forward collectives (e.g. a bias added once after the
     all-reduce of a k-sharded matmul); it receives the outputs and the local operands.
-    With ``uses_comm`` the target is also called with ``comm=`` a :class:`autoshard.comm_api.DeviceComm`
+    With ``uses_comm`` the target is also called with ``comm=`` a :class:`autoshard.kernel_comm.DeviceComm`
     (the device's mesh coordinate and autograd-aware collectives), for ops that need a collective
     inside them (sync batch-norm statistics, a global token count, a vocab-sharded lookup).
     """

@@ -10,7 +10,7 @@ rank sets the pace of a step).
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
   sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
   :func:`~autoshard.profile.collectives._time_collective`) and fits the ring model of
-  :mod:`autoshard.comm`, ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on
+  :mod:`autoshard.comm_cost`, ``t(B) = 2(n-1) * alpha + 2(n-1)/n * B * beta``, by least squares on
   relative error (so the small messages that pin down alpha weigh as much as the large ones that
   pin down beta).
 - **Roofline.** FLOP/s of a large square matmul, memory bandwidth of a large copy (read + write

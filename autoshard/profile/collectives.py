@@ -23,7 +23,7 @@ unlike a ring: gloo's reduce-scatter costs about an all-reduce whatever the size
 
 
 def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torch.device) -> Callable[[], None]:
-    """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm`:
+    """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm_cost`:
     the gathered output, the scattered input, the reduced buffer) on ``group``."""
     n = dist.get_world_size(group)
     whole = torch.ones(max(n, nbytes // 4 // n * n), dtype=torch.float32, device=device)

@@ -30,7 +30,7 @@ def _fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], n: int, kind: str = "all_reduce",
                    fallback: LinkModel | None = None) -> LinkModel:
     """Alpha-beta link from timings of a ``kind`` collective on a group of ``n`` devices (ring model
-    of comm.py: an all-reduce is two rings, the other kinds one). Where the time does not grow with
+    of comm_cost.py: an all-reduce is two rings, the other kinds one). Where the time does not grow with
     the size (a backend that runs the collective as something else), ``fallback``'s beta is kept
     and alpha fitted to the times."""
     if n < 2:

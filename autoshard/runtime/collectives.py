@@ -1,10 +1,10 @@
 """Collectives of a plan on a real process group: per-axis groups, autograd-correct wrappers, a counter.
 
-:class:`MeshComm` is the runtime's :class:`autoshard.comm_api.DeviceComm`: one per rank, built
+:class:`MeshComm` is the runtime's :class:`autoshard.kernel_comm.DeviceComm`: one per rank, built
 from a torch ``DeviceMesh``. Besides the all-reduce the kernels use, it runs the resharding moves
 of :mod:`autoshard.reshard` (all-gather, split, all-to-all, all-reduce, reduce-scatter,
 to-partial) on local shards, and records every collective in a :class:`CommCounter` with the byte
-convention of :mod:`autoshard.comm`, so that measured traffic can be compared with the plan's.
+convention of :mod:`autoshard.comm_cost`, so that measured traffic can be compared with the plan's.
 
 Autograd: the forward all-reduce that resolves a partial output has an identity backward (the
 gradient of a sum is handed to every summand); the gradient all-reduce of an operand that is
@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm_api import MeshCoordinates
+from ..kernel_comm import MeshCoordinates
 from ..phases import Phase
 from ..memory.param_flag import PARAMETER_FLAG
 from .step_watch import StepWatch
@@ -42,7 +42,7 @@ class CommRecord:
 
 
 class CommCounter:
-    """Every collective a rank runs: kind, mesh axes, phase and bytes per device (comm.py convention).
+    """Every collective a rank runs: kind, mesh axes, phase and bytes per device (comm_cost.py convention).
 
     ``with counter.recording():`` collects records; :meth:`totals` sums bytes and counts by
     (kind, axes, phase), the same key as :attr:`autoshard.Plan.comm`.
@@ -113,7 +113,7 @@ class MeshComm(MeshCoordinates):
 
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
                    backward: str = "sum", phase: str | None = None) -> torch.Tensor:
-        """Autograd-aware all-reduce over ``axes`` (see :class:`autoshard.comm_api.DeviceComm`)."""
+        """Autograd-aware all-reduce over ``axes`` (see :class:`autoshard.kernel_comm.DeviceComm`)."""
         axes = self.live_axes(axes)
         if not axes:
             return t

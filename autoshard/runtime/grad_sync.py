@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm import GRAD_BUCKET_BYTES, grad_buckets
+from ..comm_cost import GRAD_BUCKET_BYTES, grad_buckets
 from .collectives import BWD, MeshComm
 
 DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES
@@ -108,7 +108,7 @@ class GradSync:
 
 def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], bucket_bytes: int,
                   reduce_dtype: torch.dtype | None = None) -> list[_Bucket]:
-    """Buckets as :func:`autoshard.comm.grad_buckets` forms them (the cost model prices the same),
+    """Buckets as :func:`autoshard.comm_cost.grad_buckets` forms them (the cost model prices the same),
     sized in the dtype they are reduced in."""
     def size(p: torch.Tensor) -> int:
         item = reduce_dtype.itemsize if reduce_dtype is not None and p.is_floating_point() else p.element_size()

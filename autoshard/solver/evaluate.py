@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ..comm import collective_cost
+from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, Decision
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers

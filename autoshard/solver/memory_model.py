@@ -14,7 +14,7 @@ from typing import Iterable
 import numpy as np
 import pulp
 
-from ..comm import collective_cost
+from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..specs import replicated_axes
 from .costgraph import CGEdge

@@ -39,7 +39,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..comm import ALL_GATHER, REDUCE_SCATTER, collective_cost
+from ..comm_cost import ALL_GATHER, REDUCE_SCATTER, collective_cost
 from ..grad_reduction import Axes, live
 from ..opinfo import OpInfo
 from ..param_gather import block_of

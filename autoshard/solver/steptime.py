@@ -2,7 +2,7 @@
 
 The runtime (:mod:`autoshard.runtime.grad_sync`) does not all-reduce a parameter's gradient where
 an op produces it. Parameters read in their stored layout whose every use needs the same gradient
-all-reduce are grouped into buckets (:func:`autoshard.comm.grad_buckets`: by mesh axes and dtype,
+all-reduce are grouped into buckets (:func:`autoshard.comm_cost.grad_buckets`: by mesh axes and dtype,
 filled in reverse order of first use up to ``GRAD_BUCKET_BYTES``); a bucket is all-reduced
 asynchronously as soon as backward has produced all of its gradients, while backward goes on, and
 the step waits for every bucket before the optimizer runs. So the step is a critical path over
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from ..comm import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
+from ..comm_cost import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
 
 if TYPE_CHECKING:
     from ..hardware import HardwareProfile

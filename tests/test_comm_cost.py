@@ -1,7 +1,7 @@
 """Collective costs: the ring formulas on hand-computed numbers and the two-axis model."""
 import pytest
 
-from autoshard.comm import (KINDS, Collective, all_gather_cost, all_reduce_cost, all_to_all_cost,
+from autoshard.comm_cost import (KINDS, Collective, all_gather_cost, all_reduce_cost, all_to_all_cost,
                             collective_cost, reduce_scatter_cost)
 from autoshard.hardware import HardwareProfile, LinkModel
 
