@@ -67,6 +67,7 @@ from ..specs import ShardSpec
 from .costgraph import CGNode, CostGraph
 from .tp_roles import COLUMN, is_embedding_weight, is_token_embedding, linear_roles, matmul_slot
 from .ilp import InfeasibleBudgetError, Reshard, SolverOptions, Solution, minimum_budget, solve
+from .memory_model import static_floor
 
 __all__ = [
     "ARBITRATED", "BASELINES", "BaselineResult", "best_by_step_model", "Restriction", "baseline_minimum_budget",
@@ -384,8 +385,11 @@ def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions
     does not fit the budget is skipped. The replacement says why in ``stats["note"]``."""
     best, family = solution, None
     for name in ARBITRATED:
+        r = restriction(cg, name)
+        if options.memory_budget is not None and static_floor(cg, options, r.allowed) > options.memory_budget:
+            continue           # its parameters, gradients and optimizer state alone do not fit
         try:
-            candidate = solve_baseline(cg, name, options, name_minimum=False).solution
+            candidate = solve(cg, _keep(options), allowed=r.allowed, reshard=r.reshard, name_minimum=False)
         except InfeasibleBudgetError:
             continue
         if candidate.time.total < best.time.total * (1 - 1e-9):

@@ -17,7 +17,7 @@ import pulp
 from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..specs import replicated_axes
-from .costgraph import CGEdge
+from .costgraph import CGEdge, CostGraph
 from .formulation import T, Model, forward_time, held_param_copies
 from .results import SolverOptions
 from .segments import MemorySegment, memory_segments, post_segment_nodes
@@ -74,6 +74,31 @@ def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> 
     return allowed
 
 
+def _static_bytes(cg: CostGraph, node, opts: SolverOptions) -> np.ndarray:
+    """Per strategy of ``node``: bytes per device of its parameters, gradients and optimizer state."""
+    c = node.costs
+    held = (c.params + c.grads).astype(float)
+    if node.kind == "placeholder" and np.any(c.params):
+        held += c.params / cg.stored_itemsize(node.members[0]) * opts.optimizer_bytes_per_param
+    return held
+
+
+def static_floor(cg: CostGraph, opts: SolverOptions, allowed: dict[str, Iterable[int]] | None = None) -> float:
+    """Bytes per device every plan (under ``allowed``, see :func:`~.ilp.solve`) holds at least: each
+    node's parameters, gradients and optimizer state at the cheapest strategy it may take. A lower
+    bound on the peak, without an ILP: a budget below it is infeasible."""
+    allowed = allowed or {}
+    total = 0.0
+    for g in cg.variable_groups():
+        held = _static_bytes(cg, cg.nodes[g.nodes[0]], opts)
+        if not np.any(held):
+            continue
+        keep = [set(allowed[n]) for n in g.nodes if n in allowed]
+        rows = sorted(set.intersection(*keep)) if keep else range(len(held))
+        total += g.count * min(float(held[s]) for s in rows)
+    return total
+
+
 def _static_and_unsegmented_memory(m: Model) -> tuple["_Form", "_Form", "_Form"]:
     """Parameters + gradients + optimizer state, activations saved outside segments, and the part
     of those saved after the last segment (:func:`post_segment_nodes`), in GiB."""
@@ -83,12 +108,9 @@ def _static_and_unsegmented_memory(m: Model) -> tuple["_Form", "_Form", "_Form"]
     for g in cg.variable_groups():
         node = cg.nodes[g.nodes[0]]
         c = node.costs
-        opt_state = np.zeros_like(c.params)
-        if node.kind == "placeholder" and np.any(c.params):
-            item = cg.stored_itemsize(node.members[0])
-            opt_state = c.params / item * opts.optimizer_bytes_per_param
-        if np.any(c.params + c.grads + opt_state):
-            static.add(g.key, g.count * (c.params + c.grads + opt_state) / m.M)
+        held = _static_bytes(cg, node, opts)
+        if np.any(held):
+            static.add(g.key, g.count * held / m.M)
         if node.segment is None and np.any(c.saved):
             nonseg_act.add(g.key, g.count * c.saved / m.M)
             n_post = sum(n in post for n in g.nodes)
