@@ -16,7 +16,7 @@ from autoshard.enumerate import StrategyTable, enumerate_strategies
 from autoshard.models import build_model
 from autoshard.reshard import reshard_cost, reshard_plan
 from autoshard.solver import CostGraph, block_of, build_cost_graph
-from costgraph_reference import reference_costs
+from autoshard.solver.reference import reference_costs
 
 MESH = (2, 2)
 N_LAYERS = 4

@@ -30,7 +30,8 @@ Cost model (all seconds per training step, memory bytes per device):
   ``reshard_cost(dst -> src)``.
 
 The sum of every node's and edge's costs under one full assignment is the reference the ILP must
-reproduce (tests add it up with ``tests/costgraph_reference.py``). It does with this formulation: per variable group ``g`` one-hot ``x[g][c]``, costing
+reproduce (:func:`.reference.reference_costs` adds it up). It does with this formulation: per
+variable group ``g`` one-hot ``x[g][c]``, costing
 ``g.count * costs.time()[c]`` (all nodes of a group have identical costs); per edge group ``eg``
 ``y[eg][a, b] >= 0`` on the spec grid with ``sum_b y[a, b] = sum(x[src_group][c] for c with
 src_index[c] == a)`` and ``sum_a y[a, b] = sum(x[dst_group][c] for c with dst_index[c] == b)``,
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch.fx as fx
@@ -284,6 +285,14 @@ class CostGraph:
         self.timings: dict[str, float] = {}
         # classes of identical blocks (aliased or not), each its blocks in order, each its CGNodes
         self.identical_blocks: list[list[list[str]]] = []
+        self._derived: dict[str, Any] = {}
+
+    def derived(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A fact derived from the finished graph (e.g. its memory segments), computed on first use
+        and kept: the graph does not change once built."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @property
     def graph(self) -> CapturedGraph:

@@ -25,7 +25,12 @@ class MemorySegment:
 def memory_segments(cg: CostGraph) -> list[MemorySegment]:
     """The segments that get a memory decision, with the edges whose tensors a checkpoint stores
     (inputs from outside the segment that are not parameters and not shared by several segments)
-    and the runs a selective recomputation re-runs (:func:`~.selective.recompute_runs`)."""
+    and the runs a selective recomputation re-runs (:func:`~.selective.recompute_runs`). Computed
+    once per cost graph (the ILP, every ``predict`` and the plan builder read them); treat as read-only."""
+    return cg.derived("memory_segments", lambda: _memory_segments(cg))
+
+
+def _memory_segments(cg: CostGraph) -> list[MemorySegment]:
     by_seg: dict[str, MemorySegment] = {}
     for node in cg.nodes.values():
         if node.segment is not None and node.kind == "call_function":

@@ -1,11 +1,12 @@
-"""The cost graph's reference sums, for tests: every node's and edge's costs under one full
-assignment added up, with no schedule (the step itself is :func:`autoshard.solver.evaluate.predict`'s).
-Tests check with it that follower merging, block aliasing and the ILP's grouped sums keep costs."""
+"""The cost graph's reference sum: every node's and edge's costs under one full assignment added up,
+with no schedule (the step itself is :func:`autoshard.solver.evaluate.predict`'s). The tests check
+with it that follower merging, block aliasing and the ILP's grouped sums keep costs, and
+``bench/solver_optimality.py`` that ``predict`` is this sum plus the scheduled gradient sync."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoshard.solver.costgraph import CostGraph, StrategyCosts
+from .costgraph import CostGraph, StrategyCosts
 
 
 @dataclass
