@@ -333,6 +333,17 @@ class CostGraph:
             return int(stored_bytes)
         return int(round(stored_bytes / self.precision.master.itemsize * self.precision.reduce.itemsize))
 
+    def grad_sync_dtype(self) -> str:
+        """The dtype name bucketed gradients are all-reduced in: the mixed-precision policy's reduce
+        dtype, else the first floating-point parameter's (float32 for a graph without one)."""
+        if self.precision is not None:
+            return self.precision.reduce_dtype
+        for p in self.graph.param_fqn:
+            dtype = self.graph.tensor_meta(p).dtype
+            if dtype.is_floating_point:
+                return str(dtype).removeprefix("torch.")
+        return "float32"
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -21,7 +21,7 @@ from .formulation import backward_time, forward_time
 from .param_edges import chosen_param_edges
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, memory_segments, post_segment_nodes
-from .steptime import SyncedGradient, SyncPricing, exposed_grad_sync, overlap_fraction
+from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
 
 if TYPE_CHECKING:
     from torch import fx
@@ -120,7 +120,10 @@ def _linear_grad_sync(cg: CostGraph, choice: dict[str, int]) -> float:
             price = SyncPricing.of(axes, mesh_shape, hw)
             total += nbytes * price.seconds_per_byte() + price.latency
             floor += price.latency
-    return max(total - overlap_fraction(hw) * backward_end, floor)
+    dtype = cg.grad_sync_dtype()
+    copies = sum(bucket_copy_seconds(hw, float(n.costs.sync_bytes[choice[n.name]].sum()), dtype)
+                 for n in cg.nodes.values())
+    return max(total - overlap_fraction(hw) * backward_end, floor) + copies
 
 
 def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:

@@ -18,7 +18,7 @@ from ..grad_reduction import Axes
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .param_edges import gather_latency, param_edge_prices
 from .results import Reshard, SolverOptions
-from .steptime import SyncPricing, overlap_fraction
+from .steptime import SyncPricing, bucket_copy_seconds, overlap_fraction
 
 
 T = 1e6          # ILP time unit: microseconds per second
@@ -159,12 +159,29 @@ def grad_sync_terms(m: Model) -> list:
     if not sync:
         return []
     exposed = m.var(name="sync_exposed")
+    copies = _bucket_copy_terms(m)
     eta = overlap_fraction(hw)
     backward = pulp.lpSum(g.count * m.choice_expr(g.nodes[0], backward_time(cg.nodes[g.nodes[0]].costs) * T)
                           for g in cg.variable_groups()) if eta > 0 else 0.0
     m.prob += exposed >= pulp.lpSum(sync) - eta * backward
     m.prob += exposed >= pulp.lpSum(latencies)
-    return [exposed]
+    return [exposed, *copies]
+
+
+def _bucket_copy_terms(m: Model) -> list:
+    """The runtime's copies of bucketed gradients, on the compute stream (see
+    :mod:`.steptime`): per synced byte the flatten into a full bucket, and per strategy the copy of
+    its gradient back out."""
+    cg = m.cg
+    hw, dtype = cg.hardware, cg.grad_sync_dtype()
+    terms = []
+    for g in cg.variable_groups():
+        node = cg.nodes[g.nodes[0]]
+        per_strategy = node.costs.sync_bytes.sum(axis=1)
+        if np.any(per_strategy):
+            seconds = np.array([bucket_copy_seconds(hw, b, dtype) for b in per_strategy])
+            terms.append(g.count * m.choice_expr(node.name, seconds * T))
+    return terms
 
 
 def backward_time(c) -> np.ndarray:

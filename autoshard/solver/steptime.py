@@ -22,6 +22,12 @@ approximation: per mesh-axis set, bytes over the bucket bandwidth plus one laten
 (``bytes / GRAD_BUCKET_BYTES`` of them, and at least one when any gradient syncs there), less what
 ``overlap`` of the backward can hide, and never less than one bucket latency.
 
+Bucketing copies: the runtime flattens a bucket's gradients into one buffer (a ``cat``) before its
+all-reduce and copies each summed gradient back out after it, two memory-bound passes over the
+bucket's bytes on the compute stream (:func:`copy_seconds`; on CPU ranks, where a 25 MiB pass
+costs milliseconds, they were the largest unmodeled part of a data-parallel step). The flatten
+delays backward and the bucket's start; the copies back run after each bucket's wait.
+
 The optimizer step runs on each device's local shards after the sync: measured
 (``HardwareProfile.optimizer_seconds``) or, without a measurement, AdamW's memory traffic over the
 device's bandwidth (:func:`optimizer_seconds`).
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ..comm_cost import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
+from ..phases import Phase
 
 if TYPE_CHECKING:
     from ..hardware import HardwareProfile
@@ -47,6 +54,24 @@ def optimizer_seconds(hw: "HardwareProfile", nbytes: float, n_tensors: int = 1) 
         return 0.0
     measured = hw.optimizer_seconds(n_tensors, nbytes)
     return measured if measured is not None else ADAMW_TRAFFIC * nbytes / hw.memory_bandwidth
+
+
+def copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
+    """One memory-bound pass that reads ``nbytes`` and writes as many (flattening gradients into a
+    bucket, or copying one back out): the profile's measured pointwise rate at that size (``dtype``
+    a dtype name, ``torch.`` prefix allowed), else read plus write over the memory bandwidth."""
+    if nbytes <= 0:
+        return 0.0
+    measured = hw.op_seconds("pointwise", 2.0 * nbytes, Phase.FWD, dtype.removeprefix("torch."))
+    return measured if measured is not None else 2.0 * nbytes / hw.memory_bandwidth
+
+
+def bucket_copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
+    """The ILP's linear price of the copies of one gradient of ``nbytes`` that is bucketed: its share
+    of flattening a full bucket, and its copy back out."""
+    if nbytes <= 0:
+        return 0.0
+    return copy_seconds(hw, GRAD_BUCKET_BYTES, dtype) * nbytes / GRAD_BUCKET_BYTES + copy_seconds(hw, nbytes, dtype)
 
 
 def overlap_fraction(hw: "HardwareProfile") -> float:
@@ -91,17 +116,24 @@ class SyncedGradient:
 def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh_shape: Sequence[int],
                       hw: "HardwareProfile") -> tuple[float, float]:
     """``(exposed, total)`` seconds of bucketed gradient sync: what the step waits for beyond a
-    backward of ``backward_end`` seconds (including the compute-stream slowdown of the overlapped
-    part), and the buckets' summed all-reduce time. ``grads`` in order of first use in forward."""
+    backward of ``backward_end`` seconds (the bucket flattens it is delayed by, the compute-stream
+    slowdown of the overlapped part, the wait for the last bucket and the copies back), and the
+    buckets' summed all-reduce time. ``grads`` in order of first use in forward."""
     eta = overlap_fraction(hw)
     buckets = grad_buckets([((g.axes, g.dtype), g.nbytes) for g in grads])
-    comm_end = overlapped = total = 0.0
+    comm_end = overlapped = total = flattened = 0.0
+    done: list[tuple[float, float]] = []         # per bucket: its all-reduce's end, its copies back
     for bucket in buckets:
+        first = grads[bucket[0]]
         nbytes = sum(grads[i].nbytes for i in bucket)
-        cost = collective_cost("all_reduce", nbytes, grads[bucket[0]].axes, mesh_shape, hw)
-        start = max(comm_end, max(grads[i].ready for i in bucket))
-        overlapped += max(0.0, min(cost, backward_end - start))
+        cost = collective_cost("all_reduce", nbytes, first.axes, mesh_shape, hw)
+        flattened += copy_seconds(hw, nbytes, first.dtype)
+        start = max(comm_end, max(grads[i].ready for i in bucket) + flattened)
+        overlapped += max(0.0, min(cost, backward_end + flattened - start))
         comm_end = start + cost
         total += cost
-    slowed = backward_end + (1.0 - eta) * overlapped
-    return max(slowed, comm_end) - backward_end, total
+        done.append((comm_end, sum(copy_seconds(hw, grads[i].nbytes, first.dtype) for i in bucket)))
+    clock = backward_end + flattened + (1.0 - eta) * overlapped
+    for end, copies in done:                     # the runtime waits for each bucket, then copies it back
+        clock = max(clock, end) + copies
+    return clock - backward_end, total
