@@ -373,7 +373,7 @@ Megatron is left out: what sets it apart, its tensor-parallel collectives, runs 
 prices it exactly as :func:`~.ilp.predict` does, and its restricted ILP (resharding penalised) was
 the slowest of the three (about 3 s of a 8 s Llama-7B plan). Over 36 model x profile x mesh x budget
 cases (GPT-2, Llama, BERT, MLP, CNN; cpu-gloo and the H100 profiles) it never modeled faster than
-the ILP's plan (1.01x to 17x slower)."""
+the ILP's plan where it fit the budget (1.01x to 39x slower)."""
 
 
 def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions = SolverOptions()) -> Solution:
