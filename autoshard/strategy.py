@@ -309,10 +309,11 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 
 
 # The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
-# one the profile has (a profile measured before convolutions had a curve prices them as matmuls);
-# every other family that is not free (views are) goes by its bytes, as a pointwise op.
+# one the profile has (a profile measured before convolutions, or transcendental functions, had a
+# curve prices them as matmuls, or as arithmetic); every other family that is not free (views are)
+# goes by its bytes, as a pointwise op.
 _CURVES_OF_FAMILY = {"matmul": ("matmul",), "conv": ("conv", "matmul"), "attention": ("attention",),
-                     "norm": ("norm",), "loss": ("loss",)}
+                     "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise")}
 
 
 def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",

@@ -210,7 +210,7 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, norm, loss"),
+     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, norm, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
      r"matmul must have exactly the keys work \(FLOPs\)"),
@@ -313,6 +313,23 @@ def test_compute_uses_the_curve_of_the_family_and_the_local_work():
     # ... and with a pointwise curve, its local bytes
     (rep,) = [s for s in node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work())]
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
+
+
+def test_transcendental_ops_use_their_own_curve_or_the_pointwise_one_of_older_profiles():
+    """tanh costs several adds per byte: it is priced by the ``transcendental`` curve; a profile
+    measured before that curve existed prices it as arithmetic (``pointwise``)."""
+    x = torch.randn(64, 32, requires_grad=True)
+    for fn in (torch.tanh, torch.nn.functional.silu, torch.exp):
+        graph, node = _compute_node(fn, (x,))
+        io = 2 * 64 * 32 * 4
+        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+        assert rep.compute_fwd == pytest.approx(RATE["transcendental"] * io, rel=1e-9)
+        older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "transcendental"])
+        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
+        assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * io, rel=1e-9)
+    graph, node = _compute_node(torch.relu, (x,))              # piecewise linear: arithmetic
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+    assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 2 * 64 * 32 * 4, rel=1e-9)
 
 
 def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_absent_backward():

@@ -77,22 +77,28 @@ POINTWISE_OPS = (
     aten.clamp_max.default, aten.clamp_max.Tensor,
     # unary math
     aten.neg.default, aten.abs.default, aten.sign.default, aten.reciprocal.default,
-    aten.sqrt.default, aten.rsqrt.default, aten.square.default, aten.exp.default, aten.exp2.default,
-    aten.expm1.default, aten.log.default, aten.log2.default, aten.log1p.default,
-    aten.sin.default, aten.cos.default, aten.tanh.default, aten.erf.default,
+    aten.sqrt.default, aten.rsqrt.default, aten.square.default,
     aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
-    # activations (gelu: both approximate modes)
-    aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default,
-    aten.softplus.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default,
-    aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default,
+    # piecewise-linear activations
+    aten.relu.default, aten.hardtanh.default, aten.leaky_relu.default,
+    aten.hardswish.default, aten.hardsigmoid.default,
+)
+
+# Elementwise ops that evaluate a transcendental function: priced by their own measured curve
+# (``transcendental``), several times an add's time per byte on a CPU. gelu: both approximate modes.
+TRANSCENDENTAL_OPS = (
+    aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log2.default,
+    aten.log1p.default, aten.sin.default, aten.cos.default, aten.tanh.default, aten.erf.default,
+    aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.softplus.default, aten.elu.default,
+    aten.mish.default,
 )
 
 DROPOUT_OPS = (aten.dropout.default, aten.native_dropout.default)
 
 
-register(*POINTWISE_OPS, family="pointwise",
-         doc="elementwise: shard any output dim with the operands that carry it (broadcast dims replicated)"
-         )(broadcast_rules)
+_ELEMENTWISE_DOC = "elementwise: shard any output dim with the operands that carry it (broadcast dims replicated)"
+register(*POINTWISE_OPS, family="pointwise", doc=_ELEMENTWISE_DOC)(broadcast_rules)
+register(*TRANSCENDENTAL_OPS, family="pointwise", curve="transcendental", doc=_ELEMENTWISE_DOC)(broadcast_rules)
 
 def coordinated_dropout(input: torch.Tensor, p: float, train: "bool | None", *, op: str,
                         global_shape: Sequence[int], dims: tuple[tuple[int, ...], ...],

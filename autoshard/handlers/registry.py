@@ -57,6 +57,14 @@ class Handler:
     replicate_only: bool = False    # explicitly replicate-only (cheap mask-building ops)
     doc: str = ""
     kernel: KernelFn = default_kernel
+    # The measured compute curve that prices the op where it is not the family's own (tanh and the
+    # other transcendental functions cost several times an add per byte on a CPU)
+    curve: str | None = None
+
+    @property
+    def cost_family(self) -> str:
+        """The family whose measured curve prices the op (see :func:`autoshard.strategy.compute_seconds`)."""
+        return self.curve or self.family
 
 
 REGISTRY: dict[Any, Handler] = {}
@@ -64,13 +72,13 @@ REGISTRY: dict[Any, Handler] = {}
 
 def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
              grad_copies: bool = False, replicate_only: bool = False, doc: str = "",
-             kernel: KernelFn = default_kernel) -> Callable[[Rules], Rules]:
-    """Decorator: register ``rules`` for every op in ``targets``."""
+             kernel: KernelFn = default_kernel, curve: str | None = None) -> Callable[[Rules], Rules]:
+    """Decorator: register ``rules`` for every op in ``targets`` (``curve``: see :attr:`Handler.curve`)."""
 
     def deco(rules: Rules) -> Rules:
         h = Handler(family=family, rules=rules, namer=namer, free=free, grad_copies=grad_copies,
                     replicate_only=replicate_only,
-                    doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel)
+                    doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel, curve=curve)
         for t in targets:
             if t in REGISTRY:
                 raise ValueError(f"{op_name(t)} registered twice ({REGISTRY[t].family} and {family})")

@@ -5,7 +5,9 @@ all ranks at once, as ranks compute and communicate together in training (ranks 
 cores or a host's memory bandwidth slow each other down, and the profile must say so). One timing
 helper, :func:`~autoshard.profile.timing._median_time`, times everything: each timed run starts
 right after a barrier, the median over runs is kept, and then the maximum over ranks (the slowest
-rank sets the pace of a step).
+rank sets the pace of a step). Where ranks outnumber the CPU cores, a compute or optimizer run counts
+as at least its process CPU time x local ranks / cores: a training step then runs at the pace of the
+CPU all ranks need, while ranks timed side by side drift apart and the last ones run alone.
 
 - **Links.** For each mesh axis with more than one device it times all-reduce at several message
   sizes (all groups of an axis at once, each between slices of compute as a step issues them, see
@@ -19,8 +21,8 @@ rank sets the pace of a step).
   also bfloat16: forward and backward seconds of one op against its forward work, for the families
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
-  ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add, mul,
-  tanh-GELU and SiLU at equal bytes), ``norm`` (``F.layer_norm``) and ``loss`` (``F.cross_entropy``
+  ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
+  at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), ``norm`` (``F.layer_norm``) and ``loss`` (``F.cross_entropy``
   over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
   ``FlopCounterMode`` on meta tensors of the same shapes (as :mod:`autoshard.opinfo` profiles a
   node), or bytes of the op's tensor inputs and outputs. An op is timed in a chain of ``k``

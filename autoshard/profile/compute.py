@@ -69,12 +69,13 @@ POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
-              "pointwise": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),)}
+              "pointwise": (33554432,), "transcendental": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),)}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
 _MAX_CHAIN = 64                                 # ... or this many ops
 _COMPUTE_TIMING = {"budget_s": 1.0,            # seconds per timing, about, at most (at least 3 runs)
-                   "run_s": 0.03}               # seconds per timed run, at least (see _median_time)
+                   "run_s": 0.03,               # seconds per timed run, at least (see _median_time)
+                   "cpu_shared": True}          # CPU ranks sharing cores: their share of the CPU
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,9 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "matmul": (MATMUL_SHAPES, (_linear,)),
     "conv": (CONV_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
-    "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul),
-                                    _unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu))),
+    "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul))),
+    "transcendental": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu),
+                                         _unary(torch.tanh), _unary(torch.sigmoid))),
     "norm": (NORM_SHAPES, (_layer_norm,)),
     "loss": (LOSS_SHAPES, (_cross_entropy,)),
 }

@@ -20,7 +20,7 @@ from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, _measure_overlap, _time_
 from .compute import (_COPY_BYTES, _MAX_CHAIN, COMPUTE_OPS, OPTIMIZER_PARAMS, _compute_curve, _compute_sizes,
                       _measure_compute, _measure_local, _measure_optimizer)
 from .fitting import fit_alpha_beta, fit_optimizer, overlap_fraction
-from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks
+from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
 
 __all__ = ["DEFAULT_SIZES", "measure_profile"]
 
@@ -182,8 +182,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
-        f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add, mul, tanh-GELU "
-        f"and SiLU (pointwise), F.layer_norm (norm) and F.cross_entropy (loss) against forward FLOPs "
+        f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add and mul "
+        f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), F.layer_norm (norm) and F.cross_entropy (loss) against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of up to {_MAX_CHAIN} identical "
         f"ops (per-op time = chain time / length), median of up to {compute_iters} barrier-synchronised "
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
@@ -197,5 +197,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         lines.append(f"Axis {unmeasured[0]} has size 1 here and was copied from {src}.")
     if device.type == "cpu":
         lines.append("CPU devices: host_device_bandwidth is set equal to memory_bandwidth (no separate "
-                     "device memory); memory_per_device is physical RAM divided by the local ranks.")
+                     "device memory); memory_per_device is physical RAM divided by the local ranks. A timed "
+                     "run of a compute curve or the optimizer counts as at least its process CPU time x "
+                     f"local ranks / cores ({_ranks_over_cores():g} here): ranks sharing cores are bound "
+                     "by the CPU they all need, as in a training step.")
     return " ".join(lines)

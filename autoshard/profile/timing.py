@@ -66,7 +66,7 @@ def _max_over_ranks(values: list[float], device: torch.device,
 # -- timing -------------------------------------------------------------------------------------------
 def _median_time(fn: Callable[[], object], device: torch.device, iters: int, warmup: int,
                  group: "dist.ProcessGroup | None" = None, *, budget_s: float | None = None,
-                 run_s: float = 0.0) -> float:
+                 run_s: float = 0.0, cpu_shared: bool = False) -> float:
     """Median seconds of one call of ``fn`` over ``iters`` runs, each started right after a barrier on
     ``group``.
 
@@ -75,7 +75,13 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
     others wait (as if alone). With ``budget_s``, fewer runs (at least 3) are made where ``iters``
     would take longer than that. Both counts come from the slowest rank's fastest warm-up call, so
     that every rank makes the same number of calls (the barriers are collective).
+
+    With ``cpu_shared`` (compute on CPU ranks), a run counts as at least its process CPU time x
+    local ranks / cores: when ranks outnumber cores a training step is bound by the CPU all ranks
+    need (a step's wall time is about the sum of the ranks' CPU time over the cores), while ranks
+    timed side by side drift out of phase and the last ones run alone, faster than in a step.
     """
+    shared = _ranks_over_cores() if cpu_shared and device.type == "cpu" else 0.0
     fastest = math.inf
     for _ in range(warmup):
         t0 = time.perf_counter()
@@ -92,12 +98,20 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
     for _ in range(iters):
         _barrier(group, device)
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
             fn()
         _sync(device)
-        times.append((time.perf_counter() - t0) / calls)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        times.append(max(wall, cpu * shared) / calls)
     return statistics.median(times)
+
+
+def _ranks_over_cores() -> float:
+    """Local ranks (torchrun's ``LOCAL_WORLD_SIZE``) per core available to this process: the CPU
+    time all ranks need, over the cores, is at least ``process CPU time x this`` of wall time."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) / cores
 
 
 def _dtypes(device: torch.device) -> dict[str, torch.dtype]:

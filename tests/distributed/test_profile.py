@@ -102,3 +102,29 @@ def test_optimizer_and_overlap_are_measured(prof):
 def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
     with pytest.raises(MeshError, match="needs 8 ranks"):
         measure_profile((2, 4), sizes=[4096, 65536], iters=1, warmup=0)
+
+
+def test_compute_timing_counts_at_least_the_ranks_share_of_the_cores():
+    """Ranks sharing CPU cores run a step at the pace of the CPU they all need: a compute run counts
+    as at least its process CPU time x local ranks / cores, even when this rank ran alone (here
+    only rank 0 computes, the others idle through the same barriers)."""
+    import time
+
+    import torch
+
+    from autoshard.profile.timing import _median_time, _ranks_over_cores
+
+    a = torch.randn(192, 192)
+
+    def burn():
+        if dist.get_rank() == 0:
+            for _ in range(20):
+                torch.mm(a, a)
+
+    c0 = time.process_time()
+    for _ in range(20):
+        burn()
+    cpu = (time.process_time() - c0) / 20
+    shared = _median_time(burn, torch.device("cpu"), 5, 1, run_s=0.01, cpu_shared=True)
+    if dist.get_rank() == 0:
+        assert shared >= 0.8 * cpu * _ranks_over_cores(), (shared, cpu, _ranks_over_cores())
