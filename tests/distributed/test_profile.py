@@ -107,13 +107,17 @@ def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
 def test_compute_timing_counts_at_least_the_ranks_share_of_the_cores():
     """Ranks sharing CPU cores run a step at the pace of the CPU they all need: a compute run counts
     as at least its process CPU time x local ranks / cores, even when this rank ran alone (here
-    only rank 0 computes, the others idle through the same barriers)."""
-    import time
+    only rank 0 computes, the others idle through the same barriers, so its wall time is about its
+    CPU time). Timed with and without the CPU share, interleaved, against the same function."""
+    import statistics
 
     import torch
 
     from autoshard.profile.timing import _median_time, _ranks_over_cores
 
+    share = _ranks_over_cores()
+    if share < 1.5:
+        pytest.skip(f"ranks do not outnumber the cores here ({share:.2f} ranks per core)")
     a = torch.randn(192, 192)
 
     def burn():
@@ -121,10 +125,11 @@ def test_compute_timing_counts_at_least_the_ranks_share_of_the_cores():
             for _ in range(20):
                 torch.mm(a, a)
 
-    c0 = time.process_time()
-    for _ in range(20):
-        burn()
-    cpu = (time.process_time() - c0) / 20
-    shared = _median_time(burn, torch.device("cpu"), 5, 1, run_s=0.01, cpu_shared=True)
+    ratios = []
+    for _ in range(3):
+        wall = _median_time(burn, torch.device("cpu"), 5, 1, run_s=0.01)
+        shared = _median_time(burn, torch.device("cpu"), 5, 1, run_s=0.01, cpu_shared=True)
+        ratios.append(shared / wall)
     if dist.get_rank() == 0:
-        assert shared >= 0.8 * cpu * _ranks_over_cores(), (shared, cpu, _ranks_over_cores())
+        # wall-only timing (the old rule) gives about 1; counting the share, about `share`
+        assert statistics.median(ratios) >= 0.75 * share, (ratios, share)
