@@ -15,7 +15,9 @@ forward and backward seconds of one op against its forward *work*: FLOPs as
 ``torch.utils.flop_counter.FlopCounterMode`` counts them (the count :mod:`autoshard.opinfo` profiles
 nodes with) for ``matmul`` and ``attention``, bytes of the op's tensor inputs plus outputs for
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
-times an add's time per byte on a CPU), ``norm`` and ``loss``. Both curves are indexed by the forward work; ``bwd`` is the
+times an add's time per byte on a CPU), ``norm`` (layer and RMS norms), ``batch_norm`` (training
+batch norm), ``max_pool`` and ``avg_pool`` (windowed pools: 40x and 15x an add per byte on a CPU)
+and ``loss``. Both curves are indexed by the forward work; ``bwd`` is the
 time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
 keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
@@ -64,7 +66,7 @@ class LinkModel:
 
 COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "transcendental": "bytes",
-    "norm": "bytes", "loss": "bytes"}
+    "norm": "bytes", "batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
 PHASES = (Phase.FWD, Phase.BWD)

@@ -309,11 +309,13 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 
 
 # The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
-# one the profile has (a profile measured before convolutions, or transcendental functions, had a
-# curve prices them as matmuls, or as arithmetic); every other family that is not free (views are)
+# one the profile has (a profile measured before convolutions, transcendental functions, batch norm
+# or pooling had a curve prices them as matmuls, as arithmetic or as a layer norm); every other family that is not free (views are)
 # goes by its bytes, as a pointwise op.
 _CURVES_OF_FAMILY = {"matmul": ("matmul",), "conv": ("conv", "matmul"), "attention": ("attention",),
-                     "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise")}
+                     "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise"),
+                     "batch_norm": ("batch_norm", "norm"), "max_pool": ("max_pool", "pointwise"),
+                     "avg_pool": ("avg_pool", "pointwise")}
 
 
 def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",

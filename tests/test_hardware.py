@@ -210,7 +210,7 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, norm, loss"),
+     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, norm, batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
      r"matmul must have exactly the keys work \(FLOPs\)"),
@@ -330,6 +330,33 @@ def test_transcendental_ops_use_their_own_curve_or_the_pointwise_one_of_older_pr
     graph, node = _compute_node(torch.relu, (x,))              # piecewise linear: arithmetic
     (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 2 * 64 * 32 * 4, rel=1e-9)
+
+
+def _priced_rate(fn, args, hw) -> float:
+    """Forward seconds per byte (tensor operands + outputs) of the one compute node of ``fn(*args)``."""
+    graph, node = _compute_node(fn, args)
+    vals = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node)] + [node.meta["val"]]
+    io = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    return rep.compute_fwd / io
+
+
+@pytest.mark.parametrize("fn, stats, curve, older", [
+    (lambda x: torch.nn.functional.max_pool2d(x, 2), False, "max_pool", "pointwise"),
+    (lambda x: torch.nn.functional.max_pool2d(x, 3, 1, 1), False, "max_pool", "pointwise"),
+    (lambda x: torch.nn.functional.avg_pool2d(x, 2), False, "avg_pool", "pointwise"),
+    (lambda x: torch.nn.functional.adaptive_avg_pool2d(x, 1), False, "pointwise", "pointwise"),
+    (lambda x, m, v: torch.nn.functional.batch_norm(x, m, v, training=True), True, "batch_norm", "norm"),
+    (lambda x, m, v: torch.nn.functional.batch_norm(x, m, v, training=False), True, "pointwise", "pointwise"),
+])
+def test_pooling_and_batch_norm_use_their_own_curves_or_an_older_profiles(fn, stats, curve, older):
+    """Windowed pools and training batch norm cost far more per byte than an add on a CPU: each has a
+    curve of its own; global average pools and eval batch norm (a scale and shift) are arithmetic; a
+    profile measured before those curves existed falls back to the pointwise or norm curve."""
+    args = (torch.randn(2, 8, 16, 16, requires_grad=True),) + ((torch.zeros(8), torch.ones(8)) if stats else ())
+    assert _priced_rate(fn, args, linear_in_work()) == pytest.approx(RATE[curve], rel=1e-9)
+    before = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f not in ("batch_norm", "max_pool", "avg_pool")])
+    assert _priced_rate(fn, args, before) == pytest.approx(RATE[older], rel=1e-9)
 
 
 def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_absent_backward():

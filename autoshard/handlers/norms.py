@@ -183,7 +183,13 @@ def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
                        uses_comm=True)
 
 
-@register(aten.batch_norm.default, family="norm", kernel=batch_norm_kernel,
+def _batch_norm_curve(op: OpInfo) -> str:
+    """Training batch norm reduces over N and the spatial dims per channel (about 1.5x a layer norm
+    per byte on a CPU): its own curve. Eval batch norm is a per-channel scale and shift."""
+    return "batch_norm" if op.arg(5, "training") else "pointwise"
+
+
+@register(aten.batch_norm.default, family="norm", kernel=batch_norm_kernel, curve=_batch_norm_curve,
           doc="batch_norm: shard C (per-channel, no comm), or N/spatial (sync-BN stats all-reduce in "
               "training, no comm in eval)")
 def batch_norm_rules(op: OpInfo) -> list[AxisOption]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..opinfo import OpInfo
+from ..opinfo import OpInfo, op_name
 from ..strategy import AxisOption
 from .registry import register
 
@@ -36,7 +36,14 @@ def _pool_rules(spatial: int):
     return rules
 
 
+def _pool_curve(op: OpInfo) -> str:
+    """Windowed pools have measured curves (on a CPU a 2x2 max pool costs some 40x an add per byte,
+    an average pool 15x); adaptive average pools, usually global means, go by the pointwise one."""
+    name = op_name(op.node.target).split(".")[1]      # aten.<name>.default
+    return "max_pool" if "max_pool" in name else "avg_pool" if name.startswith("avg_pool") else "pooling"
+
+
 for _rank, _names in _SPATIAL_RANK.items():
-    register(*(getattr(aten, name).default for name in _names), family="pooling",
+    register(*(getattr(aten, name).default for name in _names), family="pooling", curve=_pool_curve,
              doc=f"{_rank}d pooling: shard N or C (the leading dims), never spatial dims"
              )(_pool_rules(_rank))

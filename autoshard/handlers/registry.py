@@ -58,13 +58,14 @@ class Handler:
     doc: str = ""
     kernel: KernelFn = default_kernel
     # The measured compute curve that prices the op where it is not the family's own (tanh and the
-    # other transcendental functions cost several times an add per byte on a CPU)
-    curve: str | None = None
+    # other transcendental functions cost several times an add per byte on a CPU), or a function of
+    # the node that names it (training batch norm has a curve of its own, eval batch norm does not)
+    curve: "str | Callable[[OpInfo], str] | None" = None
 
-    @property
-    def cost_family(self) -> str:
-        """The family whose measured curve prices the op (see :func:`autoshard.strategy.compute_seconds`)."""
-        return self.curve or self.family
+    def cost_family(self, op: "OpInfo") -> str:
+        """The family whose measured curve prices ``op`` (see :func:`autoshard.strategy.compute_seconds`)."""
+        curve = self.curve(op) if callable(self.curve) else self.curve
+        return curve or self.family
 
 
 REGISTRY: dict[Any, Handler] = {}
@@ -72,7 +73,8 @@ REGISTRY: dict[Any, Handler] = {}
 
 def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
              grad_copies: bool = False, replicate_only: bool = False, doc: str = "",
-             kernel: KernelFn = default_kernel, curve: str | None = None) -> Callable[[Rules], Rules]:
+             kernel: KernelFn = default_kernel,
+             curve: "str | Callable[[OpInfo], str] | None" = None) -> Callable[[Rules], Rules]:
     """Decorator: register ``rules`` for every op in ``targets`` (``curve``: see :attr:`Handler.curve`)."""
 
     def deco(rules: Rules) -> Rules:

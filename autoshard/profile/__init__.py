@@ -22,13 +22,15 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
   ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
-  at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), ``norm`` (``F.layer_norm``) and ``loss`` (``F.cross_entropy``
-  over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
+  at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), ``norm`` (``F.layer_norm``),
+  ``batch_norm`` (training ``F.batch_norm`` on N, C, H, W images), ``max_pool`` and ``avg_pool`` (2x2
+  ``F.max_pool2d`` and ``F.avg_pool2d``) and ``loss`` (``F.cross_entropy`` over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
   ``FlopCounterMode`` on meta tensors of the same shapes (as :mod:`autoshard.opinfo` profiles a
   node), or bytes of the op's tensor inputs and outputs. An op is timed in a chain of ``k``
   identical ops, each one's output the next one's input, as ops follow each other in a model: the
   forward of the chain and its backward (one ``autograd.grad`` for the gradients of every float
-  input) divided by ``k``. Small ops get long chains, so that the per-op dispatch and autograd
+  input) divided by ``k``; an op whose output cannot be the next one's input (the loss, a pool) runs
+  ``k`` side by side instead, each on an input of its own. Small ops get long chains, so that the per-op dispatch and autograd
   overheads are those of a step, not those of a lone call; large ops a chain of one.
 - **Optimizer.** ``torch.optim.AdamW.step`` (torch's default implementation for the device) over
   parameter lists of several tensor counts and sizes, fitted to ``n * per_tensor + bytes * per_byte``

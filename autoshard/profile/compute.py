@@ -63,13 +63,15 @@ def _measure_local(device: torch.device, iters: int, warmup: int) -> _Local:
 MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (512, 512, 512),
                  (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))
 CONV_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
+IMAGE_SHAPES = CONV_SHAPES      # pooling and batch norm: N, C, H, W
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
                     (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
-              "pointwise": (33554432,), "transcendental": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),)}
+              "pointwise": (33554432,), "transcendental": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),),
+              "batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),)}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
 _MAX_CHAIN = 64                                 # ... or this many ops
@@ -85,7 +87,7 @@ class _Op:
     fn: Callable[..., torch.Tensor]
     x: torch.Tensor
     params: Callable[[int], tuple]
-    chain: bool = True        # False: the output cannot feed the next instance (a scalar loss)
+    chain: bool = True        # False: the output cannot feed the next instance (a scalar loss, a pool)
 
 
 def _leaf(shape: Sequence[int], dtype: torch.dtype, device: torch.device, scale: float = 1.0,
@@ -145,6 +147,26 @@ def _layer_norm(shape, dtype, device) -> _Op:
                                                             _leaf((h,), dtype, device, 0.1)))
 
 
+def _batch_norm(shape, dtype, device) -> _Op:
+    """Training-mode batch norm over N, H, W per channel (running statistics updated, as in training;
+    the per-channel tensors in float32, as under autocast)."""
+    c = shape[1]
+    running = (torch.zeros(c, device=device), torch.ones(c, device=device))
+
+    def norm(x, mean, var, w, b):
+        return F.batch_norm(x, mean, var, w, b, training=True)
+
+    return _Op(norm, _leaf(shape, dtype, device), lambda i: (*running, _leaf((c,), torch.float32, device, 0.1, 1.0),
+                                                            _leaf((c,), torch.float32, device, 0.1)))
+
+
+def _pool(fn):
+    """A 2x2 window, stride 2: the output is a quarter of the input, so instances do not chain."""
+    def build(shape, dtype, device) -> _Op:
+        return _Op(lambda x: fn(x, 2), _leaf(shape, dtype, device), lambda i: (), chain=False)
+    return build
+
+
 def _cross_entropy(shape, dtype, device) -> _Op:
     tokens, vocab = shape
     target = torch.randint(0, vocab, (tokens,), device=device)
@@ -160,6 +182,9 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "transcendental": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu),
                                          _unary(torch.tanh), _unary(torch.sigmoid))),
     "norm": (NORM_SHAPES, (_layer_norm,)),
+    "batch_norm": (IMAGE_SHAPES, (_batch_norm,)),
+    "max_pool": (IMAGE_SHAPES, (_pool(F.max_pool2d),)),
+    "avg_pool": (IMAGE_SHAPES, (_pool(F.avg_pool2d),)),
     "loss": (LOSS_SHAPES, (_cross_entropy,)),
 }
 
@@ -177,22 +202,27 @@ def op_work(family: str, op: _Op) -> float:
 
 
 def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[float, float, float]:
-    """(work, forward seconds, backward seconds) of one instance, timed in a chain."""
+    """(work, forward seconds, backward seconds) of one instance, timed over ``k`` instances: a
+    chain, or (an op whose output cannot be the next one's input) ``k`` side by side, each on an
+    input of its own (so that backward adds no gradients up), differentiated in one call."""
     work = op_work(family, op)
-    k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0)))) if op.chain else 1
+    k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0))))
     params = [op.params(i) for i in range(k)]
-    leaves = [op.x] + [p for ps in params for p in ps if p.requires_grad]
+    inputs = [op.x] if op.chain else [op.x] + [op.x.detach().clone().requires_grad_() for _ in range(k - 1)]
+    leaves = inputs + [p for ps in params for p in ps if p.requires_grad]
 
-    def forward() -> torch.Tensor:
+    def forward() -> list[torch.Tensor]:
+        if not op.chain:
+            return [op.fn(x, *ps) for x, ps in zip(inputs, params)]
         y = op.x
         for ps in params:
             y = op.fn(y, *ps)
-        return y
+        return [y]
 
-    out = forward()
-    grad = torch.ones_like(out)
+    outs = forward()
+    grads = [torch.ones_like(out) for out in outs]
     fwd = _median_time(forward, device, iters, 1, **_COMPUTE_TIMING)
-    bwd = _median_time(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True),
+    bwd = _median_time(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
                        device, iters, 1, **_COMPUTE_TIMING)
     return work, fwd / k, bwd / k
 

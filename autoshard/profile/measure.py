@@ -183,7 +183,9 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
         f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add and mul "
-        f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), F.layer_norm (norm) and F.cross_entropy (loss) against forward FLOPs "
+        f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), F.layer_norm (norm), training "
+        f"F.batch_norm (batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
+        f"against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of up to {_MAX_CHAIN} identical "
         f"ops (per-op time = chain time / length), median of up to {compute_iters} barrier-synchronised "
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
