@@ -15,7 +15,9 @@ forward and backward seconds of one op against its forward *work*: FLOPs as
 ``torch.utils.flop_counter.FlopCounterMode`` counts them (the count :mod:`autoshard.opinfo` profiles
 nodes with) for ``matmul`` and ``attention``, bytes of the op's tensor inputs plus outputs for
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
-times an add's time per byte on a CPU), ``norm`` (layer and RMS norms), ``batch_norm`` (training
+times an add's time per byte on a CPU; the median of four of them), one curve per function of
+:data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
+costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm`` (layer and RMS norms), ``batch_norm`` (training
 batch norm), ``max_pool`` and ``avg_pool`` (windowed pools: 40x and 15x an add per byte on a CPU)
 and ``loss``. Both curves are indexed by the forward work; ``bwd`` is the
 time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
@@ -64,8 +66,13 @@ class LinkModel:
     beta: float
 
 
+ELEMENTWISE_FUNCTIONS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu", "gelu_tanh")
+"""Elementwise functions with a measured curve each: their cost per byte differs too much for one
+curve (on a CPU exp and tanh take 2-4 ns per element, SiLU and exact GELU 0.3, an add 0.1)."""
+
 COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "transcendental": "bytes",
+    **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from .hardware import ELEMENTWISE_FUNCTIONS
 from .phases import Phase
 from .specs import ShardSpec
 
@@ -309,13 +310,15 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 
 
 # The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
-# one the profile has (a profile measured before convolutions, transcendental functions, batch norm
-# or pooling had a curve prices them as matmuls, as arithmetic or as a layer norm); every other family that is not free (views are)
+# one the profile has (a profile measured before convolutions, transcendental functions, batch norm,
+# pooling or the per-function elementwise curves had a curve prices them as matmuls, as arithmetic, as
+# a layer norm or by the transcendental median); every other family that is not free (views are)
 # goes by its bytes, as a pointwise op.
 _CURVES_OF_FAMILY = {"matmul": ("matmul",), "conv": ("conv", "matmul"), "attention": ("attention",),
                      "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise"),
                      "batch_norm": ("batch_norm", "norm"), "max_pool": ("max_pool", "pointwise"),
-                     "avg_pool": ("avg_pool", "pointwise")}
+                     "avg_pool": ("avg_pool", "pointwise"),
+                     **{name: (name, "transcendental", "pointwise") for name in ELEMENTWISE_FUNCTIONS}}
 
 
 def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",

@@ -9,8 +9,8 @@ import torch
 from autoshard.capture import capture
 from autoshard.enumerate import node_strategies
 from autoshard.handlers import handler_for
-from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ComputeCurve, HardwareError, HardwareProfile,
-                                OptimizerModel, load_hardware)
+from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareError,
+                                HardwareProfile, OptimizerModel, load_hardware)
 from autoshard.mesh import MeshSpec
 from autoshard.profile import COMPUTE_OPS, ProfileError, fit_alpha_beta, fit_optimizer, op_work, overlap_fraction
 
@@ -210,7 +210,8 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, norm, batch_norm, max_pool, avg_pool, loss"),
+     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, exp, log, tanh, "
+     r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
      r"matmul must have exactly the keys work \(FLOPs\)"),
@@ -287,9 +288,11 @@ def _compute_node(fn, args):
 @pytest.mark.parametrize("family", list(COMPUTE_OPS))
 def test_profiled_work_is_the_work_the_cost_model_prices(family):
     """What `autoshard profile` times an op at is what the cost model looks the op up at: FLOPs as
-    opinfo counts them, or the bytes of the captured node's operands and outputs."""
+    opinfo counts them, or the bytes of the captured node's operands and outputs. (The functions whose
+    median is the ``transcendental`` curve have curves of their own: it prices them where a profile has
+    none of those.)"""
     sizes, builders = COMPUTE_OPS[family]
-    hw = linear_in_work()
+    hw = linear_in_work([f for f in COMPUTE_FAMILIES if family != "transcendental" or f not in ELEMENTWISE_FUNCTIONS])
     for build in builders:
         op = build(sizes[1], torch.float32, torch.device("cpu"))
         graph, node = _compute_node(op.fn, (op.x, *op.params(0)))
@@ -315,19 +318,33 @@ def test_compute_uses_the_curve_of_the_family_and_the_local_work():
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
 
 
-def test_transcendental_ops_use_their_own_curve_or_the_pointwise_one_of_older_profiles():
-    """tanh costs several adds per byte: it is priced by the ``transcendental`` curve; a profile
-    measured before that curve existed prices it as arithmetic (``pointwise``)."""
+@pytest.mark.parametrize("fn, curve", [
+    (torch.tanh, "tanh"), (torch.exp, "exp"), (torch.sigmoid, "sigmoid"), (torch.nn.functional.silu, "silu"),
+    (torch.nn.functional.gelu, "gelu"), (lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "gelu_tanh"),
+    (torch.log, "log"), (torch.sin, "transcendental"), (torch.erf, "transcendental"),
+])
+def test_transcendental_ops_use_their_own_curve_then_the_median_then_the_pointwise_one(fn, curve):
+    """tanh costs some 20 adds per byte on a CPU, SiLU 3: a function with a curve of its own is priced
+    by it; a profile measured before those curves by the ``transcendental`` median (as are functions
+    without one of their own); one measured before that curve as arithmetic (``pointwise``)."""
     x = torch.randn(64, 32, requires_grad=True)
-    for fn in (torch.tanh, torch.nn.functional.silu, torch.exp):
-        graph, node = _compute_node(fn, (x,))
-        io = 2 * 64 * 32 * 4
-        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
-        assert rep.compute_fwd == pytest.approx(RATE["transcendental"] * io, rel=1e-9)
-        older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "transcendental"])
-        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
-        assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * io, rel=1e-9)
-    graph, node = _compute_node(torch.relu, (x,))              # piecewise linear: arithmetic
+    graph, node = _compute_node(fn, (x,))
+    io = 2 * 64 * 32 * 4
+
+    def priced(hw) -> float:
+        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+        return rep.compute_fwd
+
+    assert priced(linear_in_work()) == pytest.approx(RATE[curve] * io, rel=1e-9)
+    no_own = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f not in ELEMENTWISE_FUNCTIONS])
+    assert priced(no_own) == pytest.approx(RATE["transcendental"] * io, rel=1e-9)
+    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f not in (*ELEMENTWISE_FUNCTIONS, "transcendental")])
+    assert priced(older) == pytest.approx(RATE["pointwise"] * io, rel=1e-9)
+
+
+def test_piecewise_linear_activations_are_arithmetic():
+    x = torch.randn(64, 32, requires_grad=True)
+    graph, node = _compute_node(torch.relu, (x,))
     (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 2 * 64 * 32 * 4, rel=1e-9)
 

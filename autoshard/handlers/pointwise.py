@@ -97,8 +97,20 @@ DROPOUT_OPS = (aten.dropout.default, aten.native_dropout.default)
 
 
 _ELEMENTWISE_DOC = "elementwise: shard any output dim with the operands that carry it (broadcast dims replicated)"
+_OWN_CURVE = {aten.exp.default: "exp", aten.log.default: "log", aten.tanh.default: "tanh",
+              aten.sigmoid.default: "sigmoid", aten.silu.default: "silu"}
+
+
+def _transcendental_curve(op: OpInfo) -> str:
+    """The function's own measured curve (see :data:`autoshard.hardware.ELEMENTWISE_FUNCTIONS`; GELU's
+    depends on ``approximate``), else the median ``transcendental`` one."""
+    if op.node.target is aten.gelu.default:
+        return "gelu_tanh" if op.arg(1, "approximate", "none") == "tanh" else "gelu"
+    return _OWN_CURVE.get(op.node.target, "transcendental")
+
+
 register(*POINTWISE_OPS, family="pointwise", doc=_ELEMENTWISE_DOC)(broadcast_rules)
-register(*TRANSCENDENTAL_OPS, family="pointwise", curve="transcendental", doc=_ELEMENTWISE_DOC)(broadcast_rules)
+register(*TRANSCENDENTAL_OPS, family="pointwise", curve=_transcendental_curve, doc=_ELEMENTWISE_DOC)(broadcast_rules)
 
 def coordinated_dropout(input: torch.Tensor, p: float, train: "bool | None", *, op: str,
                         global_shape: Sequence[int], dims: tuple[tuple[int, ...], ...],

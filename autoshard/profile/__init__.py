@@ -22,7 +22,9 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
   ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
-  at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), ``norm`` (``F.layer_norm``),
+  at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), one curve for each
+  of ``exp``, ``log``, ``tanh``, ``sigmoid``, ``silu``, ``gelu`` and ``gelu_tanh`` (their costs per byte are
+  10x apart on a CPU; exp and log side by side, their chains would overflow), ``norm`` (``F.layer_norm``),
   ``batch_norm`` (training ``F.batch_norm`` on N, C, H, W images), ``max_pool`` and ``avg_pool`` (2x2
   ``F.max_pool2d`` and ``F.avg_pool2d``) and ``loss`` (``F.cross_entropy`` over tokens x vocabulary logits). Work is counted exactly as autoshard counts it: FLOPs from
   ``FlopCounterMode`` on meta tensors of the same shapes (as :mod:`autoshard.opinfo` profiles a
@@ -31,7 +33,11 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   forward of the chain and its backward (one ``autograd.grad`` for the gradients of every float
   input) divided by ``k``; an op whose output cannot be the next one's input (the loss, a pool) runs
   ``k`` side by side instead, each on an input of its own. Small ops get long chains, so that the per-op dispatch and autograd
-  overheads are those of a step, not those of a lone call; large ops a chain of one.
+  overheads are those of a step, not those of a lone call; large ops a chain of one. The forward is
+  timed over more instances, every output held, until they write twice the last-level cache (at
+  most 512): a step's forward writes activations that live until backward to memory out of cache,
+  while a short chain timed again and again writes to the same cached buffers (memory-bound ops in
+  a GPT-2 forward ran 2-4x the short chain's time on a CPU).
 - **Optimizer.** ``torch.optim.AdamW.step`` (torch's default implementation for the device) over
   parameter lists of several tensor counts and sizes, fitted to ``n * per_tensor + bytes * per_byte``
   (least squares on relative error, both coefficients >= 0).

@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import COMPUTE_FAMILIES, ComputeCurve
+from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve
 from ..progress import Progress
 from .timing import ProfileError, _barrier, _dtypes, _median_time
 
@@ -71,10 +72,13 @@ NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384,
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
               "pointwise": (33554432,), "transcendental": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),),
-              "batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),)}
+              "batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
+              **{name: (33554432,) for name in ELEMENTWISE_FUNCTIONS}}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
 _MAX_CHAIN = 64                                 # ... or this many ops
+_MAX_COLD_CHAIN = 512                           # forward: at most this many instances to outgrow the cache
+_COLD_BYTES_FALLBACK = 64 * 2**20               # where the last-level cache's size cannot be read
 _COMPUTE_TIMING = {"budget_s": 1.0,            # seconds per timing, about, at most (at least 3 runs)
                    "run_s": 0.03,               # seconds per timed run, at least (see _median_time)
                    "cpu_shared": True}          # CPU ranks sharing cores: their share of the CPU
@@ -132,6 +136,14 @@ def _unary(fn):
     return build
 
 
+def _unary_apart(fn, shift: float = 0.0):
+    """A unary op whose repeated application leaves its domain or overflows (exp, log): instances
+    side by side, each on an input of its own (``randn + shift``)."""
+    def build(units, dtype, device) -> _Op:
+        return _Op(fn, _leaf((3 * units,), dtype, device, 1.0, shift), lambda i: (), chain=False)
+    return build
+
+
 def _binary(fn):
     def build(units, dtype, device) -> _Op:       # the other operand near 1: a chain of muls stays normal
         return _Op(fn, _leaf((2 * units,), dtype, device), lambda i: (_leaf((2 * units,), dtype, device, 0.1, 1.0),))
@@ -181,6 +193,13 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul))),
     "transcendental": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu),
                                          _unary(torch.tanh), _unary(torch.sigmoid))),
+    "exp": (POINTWISE_UNITS, (_unary_apart(torch.exp),)),
+    "log": (POINTWISE_UNITS, (_unary_apart(torch.log, shift=8.0),)),
+    "tanh": (POINTWISE_UNITS, (_unary(torch.tanh),)),
+    "sigmoid": (POINTWISE_UNITS, (_unary(torch.sigmoid),)),
+    "silu": (POINTWISE_UNITS, (_unary(F.silu),)),
+    "gelu": (POINTWISE_UNITS, (_unary(F.gelu),)),
+    "gelu_tanh": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")),)),
     "norm": (NORM_SHAPES, (_layer_norm,)),
     "batch_norm": (IMAGE_SHAPES, (_batch_norm,)),
     "max_pool": (IMAGE_SHAPES, (_pool(F.max_pool2d),)),
@@ -201,30 +220,70 @@ def op_work(family: str, op: _Op) -> float:
     return float(sum(t.numel() * t.element_size() for t in (*args, out)))
 
 
+def _last_level_cache_bytes(device: torch.device) -> int | None:
+    """The size of the device's last-level cache: the GPU's L2, or the largest CPU cache sysfs lists."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or None
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=None)
+
+
+def _cold_bytes(device: torch.device) -> int:
+    """Bytes a timed forward writes before its memory is out of cache: twice the last-level cache."""
+    llc = _last_level_cache_bytes(device)
+    return 2 * llc if llc else _COLD_BYTES_FALLBACK
+
+
+def _instances(op: _Op, k: int) -> tuple[list[tuple], list[torch.Tensor]]:
+    """Parameters and inputs of ``k`` instances: a chain has one input, side-by-side ops one each."""
+    params = [op.params(i) for i in range(k)]
+    inputs = [op.x] if op.chain else [op.x] + [op.x.detach().clone().requires_grad_() for _ in range(k - 1)]
+    return params, inputs
+
+
+def _run(op: _Op, params: list[tuple], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every instance's output, all held (as a forward holds its activations for backward)."""
+    if not op.chain:
+        return [op.fn(x, *ps) for x, ps in zip(inputs, params)]
+    outs, y = [], op.x
+    for ps in params:
+        y = op.fn(y, *ps)
+        outs.append(y)
+    return outs
+
+
 def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[float, float, float]:
     """(work, forward seconds, backward seconds) of one instance, timed over ``k`` instances: a
     chain, or (an op whose output cannot be the next one's input) ``k`` side by side, each on an
-    input of its own (so that backward adds no gradients up), differentiated in one call."""
+    input of its own (so that backward adds no gradients up), differentiated in one call.
+
+    The forward is timed over enough instances, every output held, that what it writes outgrows
+    the last-level cache (up to :data:`_MAX_COLD_CHAIN`): a training step's forward writes its
+    activations to memory it has not touched since the last step (they live until backward), while
+    a short chain timed again and again writes to the same few cached buffers. On a CPU that made
+    memory-bound ops in a model 2-4x the short chain's time (a GPT-2 forward's adds, muls and
+    log-softmax); the backward, which reuses its gradient buffers as it goes, is timed on the short
+    chain."""
     work = op_work(family, op)
     k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0))))
-    params = [op.params(i) for i in range(k)]
-    inputs = [op.x] if op.chain else [op.x] + [op.x.detach().clone().requires_grad_() for _ in range(k - 1)]
+    params, inputs = _instances(op, k)
     leaves = inputs + [p for ps in params for p in ps if p.requires_grad]
-
-    def forward() -> list[torch.Tensor]:
-        if not op.chain:
-            return [op.fn(x, *ps) for x, ps in zip(inputs, params)]
-        y = op.x
-        for ps in params:
-            y = op.fn(y, *ps)
-        return [y]
-
-    outs = forward()
-    grads = [torch.ones_like(out) for out in outs]
-    fwd = _median_time(forward, device, iters, 1, **_COMPUTE_TIMING)
-    bwd = _median_time(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
+    outs = _run(op, params, inputs)
+    fresh = sum(t.numel() * t.element_size() for t in outs[:1] + ([] if op.chain else inputs[:1]))
+    k_fwd = min(_MAX_COLD_CHAIN, max(k, math.ceil(_cold_bytes(device) / max(fresh, 1))))
+    fwd_params, fwd_inputs = (params, inputs) if k_fwd == k else _instances(op, k_fwd)
+    fwd = _median_time(lambda: _run(op, fwd_params, fwd_inputs), device, iters, 1, **_COMPUTE_TIMING)
+    tail = outs if not op.chain else outs[-1:]
+    grads = [torch.ones_like(out) for out in tail]
+    bwd = _median_time(lambda: torch.autograd.grad(tail, leaves, grads, retain_graph=True),
                        device, iters, 1, **_COMPUTE_TIMING)
-    return work, fwd / k, bwd / k
+    return work, fwd / k_fwd, bwd / k
 
 
 def _compute_sizes(family: str, device: torch.device, points: int | None) -> tuple:

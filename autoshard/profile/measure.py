@@ -17,7 +17,7 @@ from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
 from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, _measure_overlap, _time_collective
-from .compute import (_COPY_BYTES, _MAX_CHAIN, COMPUTE_OPS, OPTIMIZER_PARAMS, _compute_curve, _compute_sizes,
+from .compute import (_COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, COMPUTE_OPS, OPTIMIZER_PARAMS, _compute_curve, _compute_sizes,
                       _measure_compute, _measure_local, _measure_optimizer)
 from .fitting import fit_alpha_beta, fit_optimizer, overlap_fraction
 from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
@@ -183,11 +183,13 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
         f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add and mul "
-        f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), F.layer_norm (norm), training "
+        f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), each of exp, log, tanh, sigmoid, "
+        f"SiLU, GELU and tanh-GELU (their own curves), F.layer_norm (norm), training "
         f"F.batch_norm (batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
         f"against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of up to {_MAX_CHAIN} identical "
-        f"ops (per-op time = chain time / length), median of up to {compute_iters} barrier-synchronised "
+        f"ops (per-op time = chain time / length; the forward over up to {_MAX_COLD_CHAIN}, every output held, "
+        f"until it writes twice the last-level cache), median of up to {compute_iters} barrier-synchronised "
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
         "Optimizer: torch.optim.AdamW step (default implementation) over the parameter lists in "
         "extra.measured.optimizer_params (tensors, elements; float32), fitted to n*per_tensor + "
