@@ -58,7 +58,6 @@ COMMANDS: dict[str, str] = {
     "python bench/runtime_overhead.py": ARGS,        # interleaved timing rounds
     "python bench/compile_speed.py": ARGS,           # minutes: cold inductor compiles on 4 ranks
     "python bench/plan_fidelity.py": ARGS,           # ~15 min (its --quick smoke test measures a profile: minutes)
-    "python bench/plan_fidelity.py --models llama-256,bert-256": ARGS,   # the README's repeat, ~9 min
     "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
     "python bench/activation_memory.py": ARGS,       # GPT-2 small blocks, timed steps: minutes
     "python bench/param_offload.py": ARGS,           # timed training steps
