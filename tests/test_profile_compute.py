@@ -1,0 +1,57 @@
+"""How `autoshard profile` times one op of a compute curve (no process group: the timer is replaced)."""
+import math
+
+import pytest
+import torch
+
+from autoshard.profile import compute
+
+
+@pytest.fixture
+def timed_outputs(monkeypatch):
+    """Replaces the barrier-synchronised timer: each timed function runs once, 1 s, and what it
+    returned is kept (forward runs return their outputs, backward runs their gradients)."""
+    runs: list = []
+
+    def fake_median_time(fn, *args, **kwargs):
+        runs.append(fn())
+        return 1.0
+
+    monkeypatch.setattr(compute, "_median_time", fake_median_time)
+    monkeypatch.setattr(compute, "_cold_bytes", lambda device: 10 * 2**20)
+    return runs
+
+
+def test_forward_is_timed_over_held_outputs_that_outgrow_the_cache(timed_outputs):
+    """A step's forward writes activations that live until backward to memory out of cache: the
+    forward chain holds every output, and is long enough to write twice the last-level cache."""
+    op = compute._unary(torch.tanh)(65536, torch.float32, torch.device("cpu"))
+    out_bytes = 3 * 65536 * 4
+    work, fwd, bwd = compute._time_op("tanh", op, torch.device("cpu"), iters=3)
+    forward_outputs, _ = timed_outputs
+    k_fwd = math.ceil(10 * 2**20 / out_bytes)
+    assert len(forward_outputs) == k_fwd
+    assert len({t.untyped_storage().data_ptr() for t in forward_outputs}) == k_fwd     # all held at once
+    assert fwd == pytest.approx(1.0 / k_fwd)
+    k = math.ceil(compute._CHAIN_WORK["bytes"] / work)                                 # the short chain
+    assert bwd == pytest.approx(1.0 / k) and k < k_fwd
+
+
+def test_forward_chain_length_is_capped_and_side_by_side_ops_count_their_inputs(timed_outputs, monkeypatch):
+    tiny = compute._unary(torch.tanh)(128, torch.float32, torch.device("cpu"))
+    _, fwd, _ = compute._time_op("tanh", tiny, torch.device("cpu"), iters=3)
+    assert len(timed_outputs[0]) == compute._MAX_COLD_CHAIN and fwd == pytest.approx(1.0 / compute._MAX_COLD_CHAIN)
+    timed_outputs.clear()
+    # exp runs side by side, each instance on an input of its own: its input is fresh bytes too
+    monkeypatch.setattr(compute, "_cold_bytes", lambda device: 64 * 2**20)
+    apart = compute._unary_apart(torch.exp)(65536, torch.float32, torch.device("cpu"))
+    work, fwd, _ = compute._time_op("exp", apart, torch.device("cpu"), iters=3)
+    assert work == 2 * 3 * 65536 * 4
+    assert fwd == pytest.approx(1.0 / math.ceil(64 * 2**20 / work))      # 43 instances (86 counting outputs only)
+    assert all(torch.isfinite(t).all() for t in timed_outputs[0])
+
+
+def test_last_level_cache_size_is_read_where_the_system_lists_it():
+    llc = compute._last_level_cache_bytes(torch.device("cpu"))
+    assert llc is None or llc >= 2**16
+    assert compute._cold_bytes(torch.device("cpu")) == (2 * llc if llc else compute._COLD_BYTES_FALLBACK)
