@@ -53,6 +53,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,7 @@ BATCH, SEQ = 8, 128
 IMAGE = 64                    # CNN input side
 VOCAB = 2048
 PROFILE_NAME = "fidelity-measured"
+RESULT_NAME = "plan_fidelity"
 OTHER_PROFILES = ("h100-nvlink", "cpu-gloo")
 BUDGET_FRACTIONS = (0.8, 0.6, 0.4)
 PERTURBATIONS = ((0.05, 0), (0.15, 1))     # (fraction of the cost-graph nodes moved, seed)
@@ -109,6 +111,20 @@ MODELS: dict[str, tuple[str, dict]] = {
     "cnn-16": ("cnn", dict(channels=16)), "cnn-64": ("cnn", dict(channels=64)),
 }
 QUICK_MODEL = "gpt2-128"
+_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": lambda width: ("cnn", dict(channels=width))}
+
+
+def model_spec(key: str) -> tuple[str, dict]:
+    """The preset and overrides of ``key``: one of :data:`MODELS`, or ``<family>-<width>`` for a width
+    the default set does not run (``gpt2-256``, ``llama-192``, ``cnn-32``; width: hidden size, or the
+    CNN's channels)."""
+    if key in MODELS:
+        return MODELS[key]
+    family, _, width = key.rpartition("-")
+    if family not in _FAMILIES or not width.isdigit() or int(width) < 1:
+        raise ValueError(f"unknown model {key!r}: one of {', '.join(MODELS)}, or <family>-<width> with family "
+                         f"one of {', '.join(_FAMILIES)}")
+    return _FAMILIES[family](int(width))
 
 
 def log(msg: str) -> None:
@@ -145,7 +161,7 @@ class LossView(nn.Module):
 def build(key: str) -> tuple[nn.Module, dict]:
     from autoshard.models import build_model
 
-    preset, overrides = MODELS[key]
+    preset, overrides = model_spec(key)
     if preset in ("cnn", "mlp"):
         net, args, _ = build_model(preset, device="cpu", batch=BATCH, **({"seq": IMAGE} if preset == "cnn" else {}),
                                    **overrides)
@@ -459,7 +475,7 @@ def worker(args) -> None:
     for i, key in enumerate(args.models.split(",")):
         t_model = time.perf_counter()
         if rank == 0:
-            log(f"model {i + 1}/{len(args.models.split(','))}: {key} {MODELS[key]}")
+            log(f"model {i + 1}/{len(args.models.split(','))}: {key} {model_spec(key)}")
         model, kwargs = build(key)
         params = n_params(model)
         graph = capture_meta(model, (), kwargs, name=key)
@@ -508,7 +524,7 @@ def worker(args) -> None:
                 entry["measured"] = measured[entry.get("same_as", entry["name"])]
         for name, err in refs.items():
             refs[name] = measured.get(name) or err
-        results.append({"model": key, "preset": MODELS[key][0], "overrides": MODELS[key][1], "params": params,
+        results.append({"model": key, "preset": model_spec(key)[0], "overrides": model_spec(key)[1], "params": params,
                         "graph_nodes": len(graph.graph.nodes),
                         "plans": plans, "references": refs, "plan_s": plan_seconds, "timing_s": timing_s,
                         "model_s": time.perf_counter() - t_model})
@@ -655,7 +671,7 @@ def driver(args) -> int:
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     RESULTS.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    hw_path = RESULTS / f"{PROFILE_NAME}.yaml"
+    hw_path = RESULTS / (f"{PROFILE_NAME}.yaml" if args.name == RESULT_NAME else f"{args.name}-profile.yaml")
     log(f"measuring the hardware profile -> {hw_path}")
     t0 = time.perf_counter()
     torchrun(["-m", "autoshard.profile", "--mesh", "x".join(map(str, MESH)), "--name", PROFILE_NAME,
@@ -768,10 +784,10 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                  f"{hw.peak_flops.get('float32', 0) / 1e9:.1f} GFLOP/s fp32; memory "
                  f"{hw.memory_bandwidth / 1e9:.1f} GB/s.")
     cnn_note = ""
-    if any(MODELS[m["model"]][0] == "cnn" for m in models):
+    if any(model_spec(m["model"])[0] == "cnn" for m in models):
         same = "; ".join(f"{m['model']} {m['summary']['solved_over_fastest_same_function']:.2f}x "
                          f"({m['summary']['fastest_same_function']})" for m in models
-                         if MODELS[m["model"]][0] == "cnn" and "solved_over_fastest_same_function" in m["summary"])
+                         if model_spec(m["model"])[0] == "cnn" and "solved_over_fastest_same_function" in m["summary"])
         cnn_note = (" CNN: torch DDP/FSDP2 normalise with each rank's batch statistics (torch's SyncBatchNorm runs on "
                     "GPUs only), autoshard with the global batch's, so their step-0 losses differ from autoshard's "
                     f"by design; '{DDP_SYNC_BN}' is torch DDP with bench/cpu_sync_batchnorm.py, a CPU port of "
@@ -797,7 +813,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
             f"batch) over the autoshard plans / over all configurations. {prof_line} "
             f"Whole run {wall_s / 60:.1f} min.{settle_note}{cnn_note}{quick}")
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
-                              "models": {k: MODELS[k] for k in args.models.split(",")}, "rounds": args.rounds,
+                              "models": {k: model_spec(k) for k in args.models.split(",")}, "rounds": args.rounds,
                               "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
@@ -806,14 +822,14 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                  "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
                  "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
                  "wall_s": wall_s, "loadavg_at_end": os.getloadavg()})
-    png = RESULTS / "plan_fidelity.png"
+    png = RESULTS / f"{args.name}.png"
     plot(models, png)
-    write("plan_fidelity", data,
+    write(args.name, data,
           ["model", "distinct plans run", "spearman", "median err", "worst err (plan)", "solved ms", "DDP ms", "FSDP2 ms",
            "fastest", "solved/fastest", "<= 1.05x", "rho >= 0.9", "err <= 20%",
            "step-0 loss diff (autoshard / all)"],
           rows, note + "\n" + "\n".join(detail) + f"\n\nPlot: {png.relative_to(ROOT)}.")
-    log(f"wrote {RESULTS / 'plan_fidelity.md'} and {png} in {wall_s / 60:.1f} min")
+    log(f"wrote {RESULTS / (args.name + '.md')} and {png} in {wall_s / 60:.1f} min")
 
 
 def main() -> int:
@@ -826,6 +842,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "
                     "1 warm-up step, a shorter profile")
     ap.add_argument("--profile-iters", type=int, default=30, help="autoshard profile --iters")
+    ap.add_argument("--name", default=RESULT_NAME, help="results as bench/results/NAME.{json,md,png}, the profile "
+                    f"as NAME-profile.yaml (default: {RESULT_NAME}, profile {PROFILE_NAME}.yaml)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--hardware", help=argparse.SUPPRESS)
@@ -836,9 +854,13 @@ def main() -> int:
     if args.quick:
         args.models = QUICK_MODEL if args.models == ",".join(MODELS) else args.models.split(",")[0]
         args.rounds, args.steps, args.settle, args.warmup, args.profile_iters = 1, 1, 1, 1, min(args.profile_iters, 10)
-    unknown = [m for m in args.models.split(",") if m not in MODELS]
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    for key in args.models.split(","):
+        try:
+            model_spec(key)
+        except ValueError as e:
+            ap.error(str(e))
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+        ap.error(f"--name {args.name!r}: letters, digits, '_' and '-' only (it names files in bench/results/)")
     return driver(args)
 
 
