@@ -17,10 +17,10 @@ nodes with) for ``matmul`` and ``attention``, bytes of the op's tensor inputs pl
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
-costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm`` (layer and RMS norms), ``batch_norm`` (training
-batch norm), ``max_pool`` and ``avg_pool`` (windowed pools: 40x and 15x an add per byte on a CPU)
-and ``loss``. Both curves are indexed by the forward work; ``bwd`` is the
-time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
+costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm``
+(layer and RMS norms), ``batch_norm`` (training batch norm), ``max_pool`` and ``avg_pool`` (windowed
+pools: 40x and 15x an add per byte on a CPU) and ``loss``. Both curves are indexed by the forward
+work; ``bwd`` is the time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
 keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
 time with work at the largest point's rate. ``optimizer`` prices an AdamW step (torch's default
