@@ -13,7 +13,8 @@ Compute time comes from measurement where a profile has it and from the roofline
 ``compute`` (written by ``autoshard profile``) holds, per dtype name and op family, the measured
 forward and backward seconds of one op against its forward *work*: FLOPs as
 ``torch.utils.flop_counter.FlopCounterMode`` counts them (the count :mod:`autoshard.opinfo` profiles
-nodes with) for ``matmul`` and ``attention``, bytes of the op's tensor inputs plus outputs for
+nodes with) for ``matmul`` (and ``matmul_unaligned``: a matmul whose tensors' rows are no whole
+multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` and ``attention``, bytes of the op's tensor inputs plus outputs for
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
@@ -71,7 +72,7 @@ ELEMENTWISE_FUNCTIONS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu", "gelu_
 curve (on a CPU exp and tanh take 2-4 ns per element, SiLU and exact GELU 0.3, an add 0.1)."""
 
 COMPUTE_FAMILIES: Mapping[str, str] = {
-    "matmul": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "transcendental": "bytes",
+    "matmul": "FLOPs", "matmul_unaligned": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""

@@ -19,6 +19,7 @@ def timed_outputs(monkeypatch):
 
     monkeypatch.setattr(compute, "_median_time", fake_median_time)
     monkeypatch.setattr(compute, "_cold_bytes", lambda device: 10 * 2**20)
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: 1.0)     # the chain's length by work
     return runs
 
 
@@ -33,7 +34,7 @@ def test_forward_is_timed_over_held_outputs_that_outgrow_the_cache(timed_outputs
     assert len(forward_outputs) == k_fwd
     assert len({t.untyped_storage().data_ptr() for t in forward_outputs}) == k_fwd     # all held at once
     assert fwd == pytest.approx(1.0 / k_fwd)
-    k = math.ceil(compute._CHAIN_WORK["bytes"] / work)                                 # the short chain
+    k = compute._chain_length("tanh", op, work, torch.device("cpu"))                   # the short chain
     assert bwd == pytest.approx(1.0 / k) and k < k_fwd
 
 
@@ -55,3 +56,31 @@ def test_last_level_cache_size_is_read_where_the_system_lists_it():
     llc = compute._last_level_cache_bytes(torch.device("cpu"))
     assert llc is None or llc >= 2**16
     assert compute._cold_bytes(torch.device("cpu")) == (2 * llc if llc else compute._COLD_BYTES_FALLBACK)
+
+
+def test_chain_is_long_enough_in_time_where_work_alone_would_time_one_call(timed_outputs, monkeypatch):
+    """A GPU runs a matmul of 2e8+ FLOPs in microseconds, while one autograd.grad call costs ~0.1 ms:
+    the chain also lasts _CHAIN_S, so that the call's fixed cost is shared by many ops."""
+    op = compute._linear((64, 512, 512), torch.float32, torch.device("cpu"))     # 3.4e7 FLOPs: 6 by work
+    work = compute.op_work("matmul", op)
+    by_work = math.ceil(compute._CHAIN_WORK["FLOPs"] / work)
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: compute._CHAIN_S / 20)
+    assert compute._chain_length("matmul", op, work, torch.device("cpu")) == max(by_work, 20)
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: compute._CHAIN_S / 1000)
+    assert compute._chain_length("matmul", op, work, torch.device("cpu")) == compute._MAX_CHAIN
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: 1.0)     # slow: work decides
+    assert compute._chain_length("matmul", op, work, torch.device("cpu")) == by_work
+    _, _, bwd = compute._time_op("matmul", op, torch.device("cpu"), iters=3)
+    assert bwd == pytest.approx(1.0 / by_work)
+
+
+def test_one_call_is_timed_on_the_op_itself():
+    op = compute._unary(torch.tanh)(1024, torch.float32, torch.device("cpu"))
+    assert 0 < compute._one_call_seconds(op, torch.device("cpu")) < 1.0
+
+
+def test_optimizer_is_timed_on_larger_lists_on_a_gpu():
+    assert compute.optimizer_params(torch.device("cpu")) == compute.OPTIMIZER_PARAMS
+    cuda = compute.optimizer_params(torch.device("cuda"))
+    assert cuda[:len(compute.OPTIMIZER_PARAMS)] == compute.OPTIMIZER_PARAMS
+    assert max(n * numel for n, numel in cuda) * 4 >= 2**30          # a GPU's rate per byte shows from ~100 MB

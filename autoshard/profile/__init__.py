@@ -20,6 +20,8 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
 - **Compute curves** (``compute`` in the profile, see :mod:`autoshard.hardware`), float32 and on CUDA
   also bfloat16: forward and backward seconds of one op against its forward work, for the families
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
+  ``matmul_unaligned`` (the same with out features + 1, rows of no whole multiple of 16 bytes, as an
+  odd vocabulary makes them: a GPU runs them on slower kernels),
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
   ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
   at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), one curve for each
@@ -32,8 +34,10 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   identical ops, each one's output the next one's input, as ops follow each other in a model: the
   forward of the chain and its backward (one ``autograd.grad`` for the gradients of every float
   input) divided by ``k``; an op whose output cannot be the next one's input (the loss, a pool) runs
-  ``k`` side by side instead, each on an input of its own. Small ops get long chains, so that the per-op dispatch and autograd
-  overheads are those of a step, not those of a lone call; large ops a chain of one. The forward is
+  ``k`` side by side instead, each on an input of its own. Small or fast ops get long chains (at least 2e8 FLOPs
+  or 1.6e7 bytes of work, and 3 ms of forward + backward, at most 64 ops), so that the per-op dispatch
+  and autograd overheads are those of a step, not those of a lone call (one ``autograd.grad`` call
+  costs ~0.1 ms on an H100's host); large ops a chain of one. The forward is
   timed over more instances, every output held, until they write twice the last-level cache (at
   most 512): a step's forward writes activations that live until backward to memory out of cache,
   while a short chain timed again and again writes to the same cached buffers (memory-bound ops in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve
 from ..progress import Progress
-from .timing import ProfileError, _barrier, _dtypes, _median_time
+from .timing import ProfileError, _barrier, _dtypes, _median_time, _sync
 
 __all__ = ["COMPUTE_OPS", "op_work"]
 
@@ -63,6 +64,9 @@ def _measure_local(device: torch.device, iters: int, warmup: int) -> _Local:
 # matmul: tokens, in, out: thin (fewer tokens than features), square and MLP-wide, 1.3e5 .. 9.7e9 FLOPs
 MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (512, 512, 512),
                  (1024, 768, 768), (512, 768, 3072), (2048, 768, 3072))
+# the same with rows that are no whole multiple of 16 bytes (out features + 1; the chain alternates, so
+# in features too), as an odd vocabulary makes them: GPUs run these on slower kernels
+MATMUL_UNALIGNED_SHAPES = ((16, 64, 65), (64, 256, 257), (512, 512, 513), (1024, 768, 769), (2048, 768, 3073))
 CONV_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
 IMAGE_SHAPES = CONV_SHAPES      # pooling and batch norm: N, C, H, W
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
@@ -70,13 +74,16 @@ ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
-CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
+CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
+              "matmul_unaligned": ((4096, 4096, 4097), (8192, 768, 50257)), "conv": ((32, 256, 56, 56),), "attention": ((8, 16, 2048, 128),),
               "pointwise": (33554432,), "transcendental": (33554432,), "norm": ((65536, 4096),), "loss": ((8192, 131072),),
               "batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
               **{name: (33554432,) for name in ELEMENTWISE_FUNCTIONS}}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
+CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-byte rate shows from ~100 MB
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
-_MAX_CHAIN = 64                                 # ... or this many ops
+_CHAIN_S = 3e-3                                 # ... and takes at least this long, forward + backward ...
+_MAX_CHAIN = 64                                 # ... or has this many ops
 _MAX_COLD_CHAIN = 512                           # forward: at most this many instances to outgrow the cache
 _COLD_BYTES_FALLBACK = 64 * 2**20               # where the last-level cache's size cannot be read
 _COMPUTE_TIMING = {"budget_s": 1.0,            # seconds per timing, about, at most (at least 3 runs)
@@ -188,6 +195,7 @@ def _cross_entropy(shape, dtype, device) -> _Op:
 # family -> (sizes, the ops whose median is the family's time at a size)
 COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "matmul": (MATMUL_SHAPES, (_linear,)),
+    "matmul_unaligned": (MATMUL_UNALIGNED_SHAPES, (_linear,)),
     "conv": (CONV_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
     "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul))),
@@ -258,6 +266,33 @@ def _run(op: _Op, params: list[tuple], inputs: list[torch.Tensor]) -> list[torch
     return outs
 
 
+def _chain_length(family: str, op: _Op, work: float, device: torch.device) -> int:
+    """Instances of ``op`` in a timed chain: enough work (:data:`_CHAIN_WORK`) and enough time
+    (:data:`_CHAIN_S`, forward + backward) that the fixed costs of one timed call vanish beside the
+    ops, as they do in a step's one forward and one backward; at most :data:`_MAX_CHAIN`. Time
+    matters where work does not tell: one ``autograd.grad`` call costs ~0.1 ms of engine start-up on
+    an H100's host, as much as the backward of a 4096 x 1024 x 4096 bfloat16 matmul."""
+    k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0))))
+    if k == _MAX_CHAIN:
+        return k
+    return min(_MAX_CHAIN, max(k, math.ceil(_CHAIN_S / _one_call_seconds(op, device))))
+
+
+def _one_call_seconds(op: _Op, device: torch.device) -> float:
+    """Forward + backward seconds of one instance, after one untimed call (a rough figure: it only
+    sizes the chain)."""
+    def call() -> None:
+        out = op.fn(op.x, *op.params(0))
+        torch.autograd.grad([out], [op.x], [torch.ones_like(out)])
+
+    call()
+    _sync(device)
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    return max(time.perf_counter() - t0, 1e-9)
+
+
 def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[float, float, float]:
     """(work, forward seconds, backward seconds) of one instance, timed over ``k`` instances: a
     chain, or (an op whose output cannot be the next one's input) ``k`` side by side, each on an
@@ -271,7 +306,7 @@ def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[fl
     log-softmax); the backward, which reuses its gradient buffers as it goes, is timed on the short
     chain."""
     work = op_work(family, op)
-    k = min(_MAX_CHAIN, max(1, math.ceil(_CHAIN_WORK[COMPUTE_FAMILIES[family]] / max(work, 1.0))))
+    k = _chain_length(family, op, work, device)
     params, inputs = _instances(op, k)
     leaves = inputs + [p for ps in params for p in ps if p.requires_grad]
     outs = _run(op, params, inputs)
@@ -334,10 +369,16 @@ def _compute_curve(agreed: dict[str, list[float]], key: str) -> ComputeCurve:
                         non_decreasing(agreed[f"{key}.bwd"]))
 
 
+def optimizer_params(device: torch.device) -> tuple[tuple[int, int], ...]:
+    """The parameter lists (tensors, elements each) the optimizer step is timed over."""
+    return OPTIMIZER_PARAMS + (CUDA_OPTIMIZER_PARAMS if device.type == "cuda" else ())
+
+
 def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float]]:
-    """AdamW step seconds over each parameter list of :data:`OPTIMIZER_PARAMS` (float32)."""
+    """AdamW step seconds over each parameter list of :func:`optimizer_params` (float32)."""
     seconds = []
-    for n, numel in OPTIMIZER_PARAMS:
+    lists = optimizer_params(device)
+    for n, numel in lists:
         params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n)]
         for p in params:
             p.grad = torch.randn(numel, device=device) * 1e-3
@@ -345,6 +386,7 @@ def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float
         opt.step()                                    # creates the state: not part of a step's time
         _barrier(None, device)
         seconds.append(_median_time(opt.step, device, iters, 1, **_COMPUTE_TIMING))
-    return {"optimizer.n_tensors": [float(n) for n, _ in OPTIMIZER_PARAMS],
-            "optimizer.bytes": [float(4 * n * numel) for n, numel in OPTIMIZER_PARAMS],
+        del opt, params
+    return {"optimizer.n_tensors": [float(n) for n, _ in lists],
+            "optimizer.bytes": [float(4 * n * numel) for n, numel in lists],
             "optimizer.seconds": seconds}

@@ -17,8 +17,8 @@ from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
 from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, _measure_overlap, _time_collective
-from .compute import (_COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, COMPUTE_OPS, OPTIMIZER_PARAMS, _compute_curve, _compute_sizes,
-                      _measure_compute, _measure_local, _measure_optimizer)
+from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, COMPUTE_OPS, _compute_curve, _compute_sizes,
+                      _measure_compute, _measure_local, _measure_optimizer, optimizer_params)
 from .fitting import fit_alpha_beta, fit_optimizer, overlap_fraction
 from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
 
@@ -95,8 +95,9 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     local.update(_measure_compute(device, compute_iters, compute_points, progress))
     with progress.stage("timing the optimizer step (AdamW)"):
         local.update(_measure_optimizer(device, compute_iters))
-    with progress.stage("timing all-reduce overlap with compute"):
-        local.update(_measure_overlap(device, compute_iters))
+    if dist.get_world_size() > 1:              # one rank has no communication to hide
+        with progress.stage("timing all-reduce overlap with compute"):
+            local.update(_measure_overlap(device, compute_iters))
     agreed = _agree(local, device)
 
     nbytes = [4 * (s // 4) for s in sizes]
@@ -114,7 +115,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     compute = {dname: {family: _compute_curve(agreed, f"{dname}.{family}") for family in COMPUTE_OPS}
                for dname in _dtypes(device)}
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
-    overlap = overlap_fraction(*agreed["overlap.seconds"])
+    overlap = overlap_fraction(*agreed["overlap.seconds"]) if "overlap.seconds" in agreed else None
     return HardwareProfile(
         name=name,
         axes=_complete_axes(links, base),
@@ -141,11 +142,12 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                             "compute_sizes": {f: [list(s) if isinstance(s, tuple) else s
                                                   for s in _compute_sizes(f, device, compute_points)]
                                               for f in COMPUTE_OPS},
-                            "optimizer_params": [list(p) for p in OPTIMIZER_PARAMS],
+                            "optimizer_params": [list(p) for p in optimizer_params(device)],
                             "optimizer_seconds": agreed["optimizer.seconds"],
-                            "overlap_bytes": agreed["overlap.bytes"][0],
-                            "overlap_seconds": dict(zip(("compute", "all_reduce", "both"),
-                                                        agreed["overlap.seconds"]))}},
+                            **({"overlap_bytes": agreed["overlap.bytes"][0],
+                                "overlap_seconds": dict(zip(("compute", "all_reduce", "both"),
+                                                            agreed["overlap.seconds"]))}
+                               if overlap is not None else {})}},
     )
 
 
@@ -173,22 +175,24 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"{datetime.datetime.now().isoformat(timespec='seconds')}: mesh {mesh}, backend {dist.get_backend()}, "
         f"{world} ranks on {cores} CPU cores ({torch.get_num_threads()} torch threads per rank), "
         f"torch {torch.__version__}.",
-        f"Axes: all-reduce of {format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, median of {iters} "
-        f"runs of {_ISSUED_RUN_S * 1e3:.0f} ms of (compute slice, all-reduce) less the compute alone (as a "
-        f"step issues them), max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
-        f"least squares on relative error. All-gather and reduce-scatter (kinds) timed the same way on "
-        f"each axis and the all-device group, fitted to one ring, (n-1)*alpha + (n-1)/n*bytes*beta (where "
-        f"the time does not grow with size, the all-reduce's beta and alpha to the times).",
+        (f"Axes: all-reduce of {format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, median of {iters} "
+         f"runs of {_ISSUED_RUN_S * 1e3:.0f} ms of (compute slice, all-reduce) less the compute alone (as a "
+         f"step issues them), max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
+         f"least squares on relative error. All-gather and reduce-scatter (kinds) timed the same way on "
+         f"each axis and the all-device group, fitted to one ring, (n-1)*alpha + (n-1)/n*bytes*beta (where "
+         f"the time does not grow with size, the all-reduce's beta and alpha to the times)." if links else
+         "No axis has more than one device: no link measured."),
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
-        f"(matmul), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add and mul "
+        f"(matmul; and with rows of no whole multiple of 16 bytes, matmul_unaligned), 3x3 F.conv2d (conv), causal F.scaled_dot_product_attention (attention), the median of add and mul "
         f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), each of exp, log, tanh, sigmoid, "
         f"SiLU, GELU and tanh-GELU (their own curves), F.layer_norm (norm), training "
         f"F.batch_norm (batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
         f"against forward FLOPs "
-        f"(FlopCounterMode) or bytes in + out; each op timed in a chain of up to {_MAX_CHAIN} identical "
-        f"ops (per-op time = chain time / length; the forward over up to {_MAX_COLD_CHAIN}, every output held, "
+        f"(FlopCounterMode) or bytes in + out; each op timed in a chain of identical ops, long enough for "
+        f"2e8 FLOPs or 1.6e7 bytes and {_CHAIN_S * 1e3:g} ms of forward + backward, at most {_MAX_CHAIN} "
+        f"(per-op time = chain time / length; the forward over up to {_MAX_COLD_CHAIN}, every output held, "
         f"until it writes twice the last-level cache), median of up to {compute_iters} barrier-synchronised "
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
         "Optimizer: torch.optim.AdamW step (default implementation) over the parameter lists in "
@@ -198,7 +202,12 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
     ]
     if unmeasured:
         src = f"profile {base.name!r}" if base else "the measured axis"
-        lines.append(f"Axis {unmeasured[0]} has size 1 here and was copied from {src}.")
+        which = f"Axis {unmeasured[0]} has" if len(unmeasured) == 1 else "Both axes have"
+        lines.append(f"{which} size 1 here and {'was' if len(unmeasured) == 1 else 'were'} copied from {src}"
+                     + (f", which says: {base.description.strip()}" if base and base.description.strip() else "")
+                     + ".")
+    if world == 1:
+        lines.append("One rank: no all-reduce overlap measured (overlap left unset).")
     if device.type == "cpu":
         lines.append("CPU devices: host_device_bandwidth is set equal to memory_bandwidth (no separate "
                      "device memory); memory_per_device is physical RAM divided by the local ranks. A timed "
