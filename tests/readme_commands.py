@@ -48,6 +48,9 @@ COMMANDS: dict[str, str] = {
     # benchmark reproductions (they write bench/results/: run in a copy of bench/)
     "python bench/op_coverage.py": RUN,              # ~20 s; the README's op table is compared with its output
     "python bench/update_readme.py": RUN,            # on a copy: the README's tables equal bench/results
+    # ~20 s: prices the committed GPU measurements; on a copy, the table equals the committed one
+    "python bench/gpu_op_compute.py report --profile bench/results/gpu_op_compute-profile.yaml "
+    "--measured bench/results/gpu_op_compute-measured.json": RUN,
     "python bench/model_zoo.py": ARGS,               # ~4 min, 4 ranks
     "python bench/capture_llama7b.py": ARGS,         # 3 timed captures of the 7B graph
     "python bench/enumerate_llama7b.py": ARGS,       # 3 timed cold enumerations

@@ -42,7 +42,7 @@ def linear_graph(request):
 def test_linear_seed_names_and_completeness(linear_graph):
     graph, _ = linear_graph
     node = find_node(graph, aten.linear.default)
-    ns = node_strategies(graph, node, MeshSpec((2, 2)), load_hardware("h100-nvlink"))
+    ns = node_strategies(graph, node, MeshSpec((2, 2)), load_hardware("a100-nvlink"))
     names = ns.names()
     missing = [n for n in SEED_NAMES if n not in names]
     assert not missing, f"missing strategies: {missing}"
@@ -58,7 +58,7 @@ def test_linear_seed_names_and_completeness(linear_graph):
 def test_linear_costs_are_consistent(linear_graph):
     graph, _ = linear_graph
     node = find_node(graph, aten.linear.default)
-    ns = node_strategies(graph, node, MeshSpec((2, 2)), load_hardware("h100-nvlink"))
+    ns = node_strategies(graph, node, MeshSpec((2, 2)), load_hardware("a100-nvlink"))
     rep = ns.by_name("RR = RR x RR")
     dp = ns.by_name("S01R = S01R x RR_0")
     row = ns.by_name("RR = RS01 x S01R")

@@ -149,11 +149,10 @@ def test_op_seconds_is_none_where_not_measured_and_rejects_bad_arguments():
     hw = measured()
     assert hw.op_seconds("matmul", 1e6, "fwd", "bfloat16") is None
     assert hw.op_seconds("norm", 1e6, "fwd", "float32") is None
-    for name in ("a100-nvlink", "h100-nvlink", "h100-multinode"):
-        gpu = load_hardware(name)
-        assert gpu.compute == {} and gpu.optimizer is None and gpu.overlap is None
-        assert gpu.op_seconds("matmul", 1e9, "fwd", "bfloat16") is None
-        assert gpu.optimizer_seconds(10, 1e6) is None
+    gpu = load_hardware("a100-nvlink")                  # a datasheet roofline, no measurements
+    assert gpu.compute == {} and gpu.optimizer is None and gpu.overlap is None
+    assert gpu.op_seconds("matmul", 1e9, "fwd", "bfloat16") is None
+    assert gpu.optimizer_seconds(10, 1e6) is None
     with pytest.raises(ValueError, match="unknown compute family 'gemm'"):
         hw.op_seconds("gemm", 1e6, "fwd", "float32")
     with pytest.raises(ValueError, match="phase"):
@@ -184,7 +183,7 @@ def test_measured_fields_round_trip_through_yaml_and_json(tmp_path):
     assert hw.op_seconds("pointwise", 1e3, "fwd", "float32") == 5e-6
     assert hw.op_seconds("pointwise", 8192, "bwd", "float32") == pytest.approx(16e-6)
     # profiles without measurements write none of the fields (plans made before them stay equal)
-    d = load_hardware("h100-nvlink").to_dict()
+    d = load_hardware("a100-nvlink").to_dict()
     assert not {"compute", "optimizer", "overlap"} & set(d)
 
 
@@ -210,7 +209,7 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, conv, attention, pointwise, transcendental, exp, log, tanh, "
+     r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, conv, attention, pointwise, transcendental, exp, log, tanh, "
      r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
@@ -318,6 +317,27 @@ def test_compute_uses_the_curve_of_the_family_and_the_local_work():
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
 
 
+@pytest.mark.parametrize("fn, shapes, curve", [
+    (torch.nn.functional.linear, ((64, 32), (48, 32)), "matmul"),
+    (torch.nn.functional.linear, ((64, 32), (50, 32)), "matmul_unaligned"),     # out rows of 200 bytes
+    (torch.nn.functional.linear, ((64, 30), (48, 30)), "matmul_unaligned"),     # in rows of 120 bytes
+    (torch.matmul, ((4, 64, 32), (4, 32, 48)), "matmul"),
+    (torch.matmul, ((4, 64, 33), (4, 33, 48)), "matmul_unaligned"),
+    (torch.mm, ((64, 32), (32, 47)), "matmul_unaligned"),
+])
+def test_matmuls_with_rows_of_no_whole_16_bytes_use_their_own_curve_then_the_matmul_one(fn, shapes, curve):
+    """A GPU runs a matmul whose rows are no whole multiple of 16 bytes (GPT-2's 50257-word LM head) on
+    slower kernels: its own curve where the profile has one, else the matmul curve."""
+    args = [torch.randn(*s, requires_grad=True) for s in shapes]
+    graph, node = _compute_node(fn, args)
+    flops = 2 * math.prod(shapes[0]) * shapes[1][-2 if fn is torch.nn.functional.linear else -1]
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+    assert rep.compute_fwd == pytest.approx(RATE[curve] * flops, rel=1e-9)
+    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "matmul_unaligned"])
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
+    assert rep.compute_fwd == pytest.approx(RATE["matmul"] * flops, rel=1e-9)
+
+
 @pytest.mark.parametrize("fn, curve", [
     (torch.tanh, "tanh"), (torch.exp, "exp"), (torch.sigmoid, "sigmoid"), (torch.nn.functional.silu, "silu"),
     (torch.nn.functional.gelu, "gelu"), (lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "gelu_tanh"),
@@ -391,13 +411,26 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 
 
 def test_cpu_gloo_carries_measured_compute():
-    """The shipped CPU profile is measured by `autoshard profile` (the GPU ones are datasheet rooflines)."""
+    """The shipped CPU profile is measured by `autoshard profile`."""
     hw = load_hardware("cpu-gloo")
     assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES)
     assert all(len(c.work) >= 5 for c in hw.compute["float32"].values())
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
     assert matmul.work[0] <= 2e5 and matmul.work[-1] >= 5e9      # spans ~1e5 .. ~1e10 FLOPs
+
+
+@pytest.mark.parametrize("name", ["h100-nvlink", "h100-multinode"])
+def test_h100_profiles_carry_compute_measured_on_one_h100(name):
+    """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
+    bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py)."""
+    hw = load_hardware(name)
+    assert set(hw.compute) == {"float32", "bfloat16"}
+    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) for dt in hw.compute)
+    assert hw.optimizer is not None and hw.overlap is None            # one GPU: no overlap to measure
+    assert "H100" in hw.description and hw.extra["measured"]["backend"] == "nccl"
+    bf16, fp32 = hw.compute["bfloat16"]["matmul"], hw.compute["float32"]["matmul"]
+    assert bf16.work[-1] >= 1e12 and bf16.work[-1] / bf16.fwd[-1] > 5 * fp32.work[-1] / fp32.fwd[-1]
 
 
 def test_a_measured_world_link_prices_collectives_over_both_axes():

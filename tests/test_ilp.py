@@ -120,18 +120,19 @@ def _fix_assignment(m, handles, choice, decisions):
 
 
 @pytest.mark.parametrize("alias", [True, False])
-@pytest.mark.parametrize("hardware", ["h100-nvlink", "cpu-gloo"])
+@pytest.mark.parametrize("hardware", ["a100-nvlink", "cpu-gloo"])
 def test_formulation_is_exact_at_random_assignments(alias, hardware):
     """Every (strategies, decisions) point is feasible in the model exactly when its predicted peak
     fits the budget, at the predicted step time: the count/product linearisation and the working-set
     cuts neither misprice (against the ILP's own linear step time, :func:`objective_of`) nor cut off
     any plan. On cpu-gloo (slow matmuls) the GELU of every block
-    is a selective-recompute run; on h100-nvlink, at this size, none is worth it (and offload is)."""
+    is a selective-recompute run; on the a100-nvlink roofline, at this size, none is worth it (and
+    offload is)."""
     import random
     import pulp
     from autoshard.solver.ilp import T, _build, _value, memory_segments
     from autoshard.solver.memory_model import _allowed_decisions
-    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32)
+    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32, n_embd=64)
     rng = random.Random(0)
     allowed = _allowed_decisions(SolverOptions(), cg.hardware.device_memory_separate)
     options = {seg.name: [d for d in allowed if d != "selective" or seg.runs] for seg in memory_segments(cg)}
@@ -154,7 +155,9 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
             if feasible:
                 objective = _value(m.prob.objective) - _value(handles["tie"])    # as solve() reports it
                 assert objective / T == pytest.approx(objective_of(cg, choice, decisions, SolverOptions()), rel=1e-6)
-                assert max(_value(p) for p in handles["peaks"]) * m.M == pytest.approx(mem.bound, rel=1e-6)
+                # a peak variable is bounded below by the plan's bound and above only by the budget
+                peak = max(_value(p) for p in handles["peaks"]) * m.M
+                assert mem.bound * (1 - 1e-9) <= peak <= mem.bound * slack * (1 + 1e-9)
                 assert mem.peak <= mem.bound * (1 + 1e-12)
     assert drawn == set(allowed) - ({"selective"} if hardware != "cpu-gloo" else set())
 

@@ -177,6 +177,17 @@ def test_op_coverage_runs_as_written_and_gives_the_committed_table(tmp_path) -> 
         "the op coverage table changed: run `python bench/op_coverage.py && python bench/update_readme.py`"
 
 
+def test_gpu_compute_report_runs_as_written_and_gives_the_committed_table(tmp_path) -> None:
+    """The GPU table is reproducible without a GPU: the report re-prices the committed measurements."""
+    command = next(c for c in rc.COMMANDS if c.startswith("python bench/gpu_op_compute.py report"))
+    copy = _bench_copy(tmp_path)
+    (copy / "bench" / "results" / "gpu_op_compute.md").unlink()
+    _run(command, copy)
+    made = (copy / "bench" / "results" / "gpu_op_compute.md").read_text()
+    assert made == (ROOT / "bench" / "results" / "gpu_op_compute.md").read_text(), \
+        f"the GPU compute table changed: run `{command} && python bench/update_readme.py`"
+
+
 def test_update_readme_runs_as_written_and_changes_nothing(tmp_path) -> None:
     copy = _bench_copy(tmp_path)
     _run("python bench/update_readme.py", copy)

@@ -80,7 +80,7 @@ def test_partial_overlap_charges_the_hidden_part_at_one_minus_overlap():
 def test_bucket_copies_are_priced_at_the_measured_pointwise_rate():
     """A flatten or copy back reads and writes the bytes once: the profile's pointwise curve at
     twice the bytes, or read + write over the memory bandwidth for a profile without curves."""
-    cpu, gpu = load_hardware("cpu-gloo"), load_hardware("h100-nvlink")
+    cpu, gpu = load_hardware("cpu-gloo"), load_hardware("a100-nvlink")
     assert copy_seconds(cpu, MiB, "float32") == pytest.approx(cpu.op_seconds("pointwise", 2 * MiB, "fwd", "float32"))
     assert copy_seconds(gpu, MiB, "torch.float32") == pytest.approx(2 * MiB / gpu.memory_bandwidth)
     assert copy_seconds(cpu, 0, "float32") == 0.0
@@ -96,7 +96,7 @@ def test_ilp_pricing_is_bandwidth_plus_one_latency_per_bucket():
 
 
 def test_optimizer_and_overlap_fall_back_without_measurements():
-    gpu = load_hardware("h100-nvlink")
+    gpu = load_hardware("a100-nvlink")
     assert gpu.optimizer_seconds(1, MiB) is None
     assert optimizer_seconds(gpu, MiB) == pytest.approx(7 * MiB / gpu.memory_bandwidth)
     assert overlap_fraction(gpu) == 1.0
