@@ -131,7 +131,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     with stages.stage("building the cost graph", "costgraph_s"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks, precision=precision)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"
-    with stages.stage(f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)", "solve_wall_s"), \
+    with stages.stage(f"solving the ILP ({solver}, {budget_text}, {len(cg)} decision nodes)", "solving_s"), \
             _stdout_to_stderr():
         from .solver.baselines import best_by_step_model, solve_baseline
 
@@ -139,8 +139,9 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
             solution = best_by_step_model(cg, solve(cg, options), options)
         else:
             solution = solve_baseline(cg, baseline, options).solution
+    # build_s / solve_s: the ILP of the plan picked (the free ILP's, or the baseline family's that
+    # replaced it); solving_s: the whole stage, every ILP solved to pick the plan
     timings = {**stages.seconds, "build_s": solution.build_seconds, "solve_s": solution.solve_seconds}
-    timings.pop("solve_wall_s")
     result = plan_from_solution(cg, solution, model_name=name or graph.name, options=options, budget=budget,
                                 timings=timings)
     if isinstance(model_or_graph, nn.Module):
