@@ -22,9 +22,10 @@ The measurement needs a GPU; the prediction does not. So two steps:
        python bench/gpu_op_compute.py fold --measured DIR/gpu-profile.yaml --into configs/hardware/h100-nvlink.yaml
 
    Prices every measured op and model with the ``--before`` profile (default: ``h100-nvlink`` as
-   shipped before its compute was measured, a roofline of datasheet FLOP/s and bandwidth) and with the measured profile, exactly as the
-   planner does (the op or model captured on meta tensors, its strategies enumerated on a 1x1 mesh,
-   each node's ``compute_fwd`` / ``compute_bwd``; the optimizer from ``plan.time``), and writes
+   shipped before its compute was measured, a roofline of datasheet FLOP/s and bandwidth) and with
+   the measured profile, exactly as the planner does (the op or model captured on meta tensors, its
+   strategies enumerated on a 1x1 mesh, each node's ``compute_fwd`` / ``compute_bwd``; the optimizer
+   from ``plan.time``), and writes
    ``bench/results/gpu_op_compute.{json,md}``: per op, dtype and size the measured forward and
    backward times and the error of each profile; per model the same for forward, backward and
    the optimizer step. ``fold`` writes a profile's compute (curves, optimizer step, FLOP/s of the
@@ -69,8 +70,8 @@ HELDOUT_SIZES: dict[str, tuple] = {
     "norm": ((256, 768), (2048, 1024), (8192, 4096), (32768, 8192)),            # tokens, hidden
     "pointwise": (16384, 2097152, 16777216, 67108864),                          # units (binary ops: 2x elements)
 }
-QUICK_HELDOUT_SIZES = {"matmul": ((16, 32, 48),), "matmul_unaligned": ((16, 32, 47),), "attention": ((1, 2, 16, 8),), "norm": ((8, 96),),
-                       "pointwise": (3000,)}
+QUICK_HELDOUT_SIZES = {"matmul": ((16, 32, 48),), "matmul_unaligned": ((16, 32, 47),), "attention": ((1, 2, 16, 8),),
+                       "norm": ((8, 96),), "pointwise": (3000,)}
 
 # name -> (preset of autoshard.models, batch, seq, overrides): a launch-bound model and compute-bound ones.
 MODELS: dict[str, tuple[str, int, int, dict]] = {
@@ -88,11 +89,6 @@ def log(msg: str) -> None:
 
 
 # -- measure (on the GPU, under torchrun) -----------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def measure_ops(device: torch.device, sizes: dict[str, tuple], dtypes: dict[str, torch.dtype],
                 iters: int) -> list[dict]:
@@ -118,6 +114,7 @@ def measure_model(name: str, spec: tuple[str, int, int, dict], dtype: torch.dtyp
                   steps: int, warmup: int) -> dict:
     """Median forward (to the loss), backward and AdamW step seconds of one training step."""
     from autoshard.models import build_model
+    from autoshard.profile.timing import _sync
 
     preset, batch, seq, overrides = spec
     model, _, kwargs = build_model(preset, device=device, batch=batch, seq=seq, dtype=dtype, dropout=0.0,
@@ -309,7 +306,8 @@ def _pct(x: float) -> str:
 def summarise(ops: list[dict], labels: list[str]) -> list[dict]:
     """Median and worst |error| per family, dtype, source and profile."""
     out = []
-    keys = sorted({(o["family"], o["dtype"], o["source"]) for o in ops}, key=lambda k: (FAMILIES.index(k[0]), k[1], k[2]))
+    keys = sorted({(o["family"], o["dtype"], o["source"]) for o in ops},
+                  key=lambda k: (FAMILIES.index(k[0]), k[1], k[2]))
     for family, dname, source in keys:
         group = [o for o in ops if (o["family"], o["dtype"], o["source"]) == (family, dname, source)]
         row = {"family": family, "dtype": dname, "source": source, "points": len(group)}
@@ -365,7 +363,8 @@ def report(args: argparse.Namespace) -> int:
         "Whole models, one training step on one GPU (batch x seq in the JSON; dropout 0; AdamW): measured "
         "ms and modeled ms (error), forward / backward / optimizer step.",
         "",
-        "| model | dtype | fwd ms | bwd ms | AdamW ms | before: fwd / bwd / AdamW | measured-profile: fwd / bwd / AdamW |",
+        "| model | dtype | fwd ms | bwd ms | AdamW ms | before: fwd / bwd / AdamW "
+        "| measured-profile: fwd / bwd / AdamW |",
         "|---|---|---|---|---|---|---|",
         *["| " + " | ".join(str(c) for c in r) + " |" for r in model_rows],
     ])
@@ -423,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the profile to compare with (name or YAML; default: h100-nvlink's roofline as shipped before)")
     r.add_argument("--name", default=RESULT_NAME, help=f"results name (default {RESULT_NAME})")
     r.set_defaults(run=report)
-    f = sub.add_parser("fold", help="write a profile's compute from a one-GPU measurement, keeping its links and memory")
+    f = sub.add_parser("fold", help="write a profile's compute from a one-GPU measurement, keeping its links "
+                                    "and memory")
     f.add_argument("--measured", required=True, help="the profile `autoshard profile --mesh 1x1` measured (YAML)")
-    f.add_argument("--into", required=True, help="the profile YAML to update in place (e.g. configs/hardware/h100-nvlink.yaml)")
+    f.add_argument("--into", required=True,
+                   help="the profile YAML to update in place (e.g. configs/hardware/h100-nvlink.yaml)")
     f.add_argument("--device", help="the GPU's name, for the description")
     f.set_defaults(run=fold)
     args = parser.parse_args(argv)

@@ -55,7 +55,7 @@ COMMANDS: dict[str, str] = {
     "python bench/capture_llama7b.py": ARGS,         # 3 timed captures of the 7B graph
     "python bench/enumerate_llama7b.py": ARGS,       # 3 timed cold enumerations
     "python bench/plan_depth_scaling.py": ARGS,      # minutes: 70B-width captures and budgeted solves
-    "python bench/solver_optimality.py": ARGS,       # ~20 min
+    "python bench/solver_optimality.py": ARGS,       # 8 min with --reference-time-limit 60, hours with the default
     "python bench/solver_budget_sweep.py": ARGS,     # minutes of budgeted solves
     "python bench/runtime_speed.py": ARGS,           # minutes, two torchrun launches
     "python bench/runtime_overhead.py": ARGS,        # interleaved timing rounds
