@@ -295,10 +295,6 @@ def price_models(rows: list[dict], profiles: dict[str, Any]) -> list[dict]:
     return out
 
 
-def _us(s: float) -> str:
-    return f"{1e6 * s:.1f}" if s < 1e-2 else f"{1e3 * s:.2f} ms".replace(" ms", "e3")
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:+.0f}%"
 
