@@ -9,7 +9,10 @@ from autoshard.hardware import COMPUTE_FAMILIES, HardwareProfile, load_hardware
 from autoshard.mesh import MeshError
 from autoshard.profile import measure_profile
 
-POINTS = 3       # the 3 smallest sizes of each family, a few runs each: a quick measurement
+# the 4 smallest sizes of each family, a few runs each: a quick measurement whose largest point lies past
+# the per-op overhead floor on 2 cores (at the 3rd, a pointwise backward is still ~70% overhead, and
+# 4 ranks' scheduling noise left the 3rd under 1.5x the 1st)
+POINTS = 4
 
 
 _PROGRESS: list[str] = []     # what measure_profile(progress=True) printed on this rank's stderr
