@@ -15,6 +15,7 @@ from autoshard.solver.ilp import SolverOptions, objective_of, solve
 from autoshard.solver.tp_roles import COLUMN, ROW, linear_roles
 from autoshard.specs import ShardSpec
 from autoshard.solver.reference import reference_costs
+from solver_utils import runtime_change
 
 pytest.importorskip("transformers")
 
@@ -213,23 +214,12 @@ def test_baseline_predictions_match_evaluate(name, family):
     cg = graph(name)
     sol = baseline(name, family).solution
     ref = reference_costs(cg, sol.choice)
-    assert sol.time.total == pytest.approx(ref.total + sol.time.grad_sync + _runtime_change(cg, sol), rel=1e-9)
+    assert sol.time.total == pytest.approx(ref.total + sol.time.grad_sync + runtime_change(cg, sol.choice), rel=1e-9)
     assert sol.time.recompute == 0 and sol.time.offload == 0
     keep = {seg: "keep" for seg in sol.decisions}
     assert sol.objective == pytest.approx(objective_of(cg, sol.choice, keep, SolverOptions()), rel=1e-6)
     assert sol.memory.params == ref.params and sol.memory.grads == ref.grads
     assert sol.memory.activations == ref.saved
-
-
-def _runtime_change(cg, sol) -> float:
-    """What the runtime changes in the collectives the strategies and edges price: its gradient
-    reduction (see ilp.gradient_sync: + the parameter-gradient all-reduces that run inline, - the
-    activation-gradient all-reduces left to the buckets) and its per-block parameter gathers
-    (+ one all-gather and reduce-scatter per group, - the per-edge reshardings they replace)."""
-    from autoshard.solver.evaluate import _gather_seconds, gradient_sync, param_gathers
-    sync = gradient_sync(cg, sol.choice)
-    per_edge, grouped = _gather_seconds(cg, sol.choice, param_gathers(cg, sol.choice))
-    return sync.inline - sync.deferred + grouped - per_edge
 
 
 @pytest.mark.parametrize("family", list(BASELINES))

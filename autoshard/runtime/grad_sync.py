@@ -85,6 +85,18 @@ class GradSync:
         self.comm.counter.add("all_reduce", b.axes, BWD, b.flat.numel() * b.flat.element_size())
         b.work = dist.all_reduce(b.flat, group=self.comm.group(b.axes), async_op=True)
 
+    def _write_back(self, b: _Bucket) -> None:
+        """The summed bucket into the gradients: one multi-tensor copy (casting back from the reduce
+        dtype), as DDP's reducer does it in C++, not a Python copy per gradient (on a GPU that loop was
+        a launch-bound ~10 us per gradient), then what ``.grad`` held before this pass added back."""
+        params = {id(p): p for p in b.params}
+        grads = [_local(params[i].grad) for i in b.order]
+        slices = b.flat.split([b.incoming[i].numel() for i in b.order])
+        torch._foreach_copy_(grads, [s.view(g.shape) for s, g in zip(slices, grads)])
+        accumulated = [(g, b.previous[i]) for g, i in zip(grads, b.order) if b.previous[i] is not None]
+        if accumulated:
+            torch._foreach_add_([g for g, _ in accumulated], [prev for _, prev in accumulated])
+
     def _finish(self) -> None:
         self.armed = False
         for b in self.buckets:
@@ -94,15 +106,7 @@ class GradSync:
             if b.work is None:
                 continue
             self.comm.wait(b.work)
-            params = {id(p): p for p in b.params}
-            offset = 0
-            for i in b.order:
-                p = params[i]
-                n = b.incoming[i].numel()
-                reduced = b.flat[offset:offset + n].view(b.incoming[i].shape).to(b.incoming[i].dtype)
-                offset += n
-                prev = b.previous[i]
-                _local(p.grad).copy_(reduced if prev is None else prev + reduced)
+            self._write_back(b)
             b.reset()
 
 

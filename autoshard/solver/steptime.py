@@ -23,10 +23,11 @@ approximation: per mesh-axis set, bytes over the bucket bandwidth plus one laten
 ``overlap`` of the backward can hide, and never less than one bucket latency.
 
 Bucketing copies: the runtime flattens a bucket's gradients into one buffer (a ``cat``) before its
-all-reduce and copies each summed gradient back out after it, two memory-bound passes over the
-bucket's bytes on the compute stream (:func:`copy_seconds`; on CPU ranks, where a 25 MiB pass
-costs milliseconds, they were the largest unmodeled part of a data-parallel step). The flatten
-delays backward and the bucket's start; the copies back run after each bucket's wait.
+all-reduce and copies the summed buffer back into the gradients after it (one multi-tensor copy),
+two memory-bound passes over the bucket's bytes on the compute stream (:func:`copy_seconds`; on CPU
+ranks, where a 25 MiB pass costs milliseconds, they were the largest unmodeled part of a
+data-parallel step). The flatten delays backward and the bucket's start; the copy back runs after
+each bucket's wait.
 
 The optimizer step runs on each device's local shards after the sync: measured
 (``HardwareProfile.optimizer_seconds``) or, without a measurement, AdamW's memory traffic over the
@@ -68,10 +69,10 @@ def copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
 
 def bucket_copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
     """The ILP's linear price of the copies of one gradient of ``nbytes`` that is bucketed: its share
-    of flattening a full bucket, and its copy back out."""
+    of flattening a full bucket, and of copying one back out."""
     if nbytes <= 0:
         return 0.0
-    return copy_seconds(hw, GRAD_BUCKET_BYTES, dtype) * nbytes / GRAD_BUCKET_BYTES + copy_seconds(hw, nbytes, dtype)
+    return 2.0 * copy_seconds(hw, GRAD_BUCKET_BYTES, dtype) * nbytes / GRAD_BUCKET_BYTES
 
 
 def overlap_fraction(hw: "HardwareProfile") -> float:
@@ -122,7 +123,7 @@ def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh
     eta = overlap_fraction(hw)
     buckets = grad_buckets([((g.axes, g.dtype), g.nbytes) for g in grads])
     comm_end = overlapped = total = flattened = 0.0
-    done: list[tuple[float, float]] = []         # per bucket: its all-reduce's end, its copies back
+    done: list[tuple[float, float]] = []         # per bucket: its all-reduce's end, its copy back
     for bucket in buckets:
         first = grads[bucket[0]]
         nbytes = sum(grads[i].nbytes for i in bucket)
@@ -132,8 +133,8 @@ def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh
         overlapped += max(0.0, min(cost, backward_end + flattened - start))
         comm_end = start + cost
         total += cost
-        done.append((comm_end, sum(copy_seconds(hw, grads[i].nbytes, first.dtype) for i in bucket)))
+        done.append((comm_end, copy_seconds(hw, nbytes, first.dtype)))
     clock = backward_end + flattened + (1.0 - eta) * overlapped
-    for end, copies in done:                     # the runtime waits for each bucket, then copies it back
-        clock = max(clock, end) + copies
+    for end, copy_back in done:                  # the runtime waits for each bucket, then copies it back
+        clock = max(clock, end) + copy_back
     return clock - backward_end, total
