@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from ..specs import ShardSpec
 from ..units import format_bytes
@@ -110,21 +110,34 @@ def _comm_line(plan: Plan) -> str:
             + f"; {len(plan.reshards)} reshardings")
 
 
-def _sharding_line(plan: Plan) -> str:
-    """How much of the step runs on shards: compute ops with a sharded (or partial) operand or
-    output, and parameters stored sharded."""
+class ShardingCounts(NamedTuple):
+    """Compute ops with a sharded (or partial) operand or output, of all compute ops; parameters
+    stored sharded, of all parameters."""
+
+    split_ops: int
+    ops: int
+    sharded_params: int
+    params: int
+
+
+def sharding_counts(plan: Plan) -> ShardingCounts:
+    """How much of the step ``plan`` runs on shards."""
     def sharded(specs: Iterable[str | None]) -> bool:
         return any(spec is not None and ShardSpec.parse(spec).used_axes() for spec in specs)
 
     ops = [n for n in plan.nodes.values() if n.kind == "call_function" and n.compute_fwd + n.compute_bwd > 0]
-    split = sum(sharded([*n.inputs, *n.outputs]) for n in ops)
     params = [n for n in plan.nodes.values() if n.kind == "placeholder" and n.memory.get("params", 0)]
-    stored = sum(sharded(n.outputs) for n in params)
-    if ops and not split:
-        return (f"sharding: none - every device runs all {len(ops)} compute ops on the whole batch "
+    return ShardingCounts(sum(sharded([*n.inputs, *n.outputs]) for n in ops), len(ops),
+                          sum(sharded(n.outputs) for n in params), len(params))
+
+
+def _sharding_line(plan: Plan) -> str:
+    c = sharding_counts(plan)
+    if c.ops and not c.split_ops:
+        return (f"sharding: none - every device runs all {c.ops} compute ops on the whole batch "
                 f"(under this profile, communication would cost more than splitting the work saves)")
-    return (f"sharding: {split} of {len(ops)} compute ops run on a shard of their work, "
-            f"{len(ops) - split} replicated; parameters: {stored} of {len(params)} stored sharded")
+    return (f"sharding: {c.split_ops} of {c.ops} compute ops run on a shard of their work, "
+            f"{c.ops - c.split_ops} replicated; parameters: {c.sharded_params} of {c.params} stored sharded")
 
 
 def _decision_line(plan: Plan) -> str:
