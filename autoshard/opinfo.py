@@ -35,6 +35,7 @@ class SavedTensor:
     source: str      # "input" | "output" | "other"
     index: int
     nbytes: int      # global bytes
+    scale: float = 1.0   # bytes per byte of the operand it stands for (a copy in another dtype)
 
 
 @dataclass(frozen=True)
@@ -336,10 +337,11 @@ def _measure(key: _ProfileKey) -> OpProfile:
             torch.autograd.grad(grad_outputs, grad_inputs, [torch.ones_like(t) for t in grad_outputs],
                                 allow_unused=True)
         bwd_flops = float(bwd_counter.get_total_flops())
+    casts: dict[int, torch.Tensor] = {}
     if op.target is torch.ops.aten.scaled_dot_product_attention.default:
-        saved, outs = _fused_attention_saved(args, kwargs, saved, outs)
+        saved, outs, casts = _fused_attention_saved(args, kwargs, saved, outs)
     return OpProfile(float(fwd_counter.get_total_flops()), bwd_flops,
-                     tuple(_classify_saved(saved, inputs, outs)))
+                     tuple(_classify_saved(saved, inputs, outs, casts)))
 
 
 def _written_operands(op: OpInfo) -> set[int]:
@@ -357,20 +359,24 @@ def _written_operands(op: OpInfo) -> set[int]:
 
 
 def _fused_attention_saved(args: tuple, kwargs: dict, saved: list[torch.Tensor], outs: list[torch.Tensor]
-                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor]]:
     """What a fused SDPA kernel keeps for backward: q, k, v, the mask, the output and the row
     log-sum-exp (CPU flash attention; CUDA flash/efficient kernels keep the same). On meta tensors
     ``scaled_dot_product_attention`` takes the math path, which keeps the full attention matrix
     instead; devices run the fused kernel whenever it accepts the arguments, so profile that one.
-    Arguments the fused kernel refuses (it raises) leave the math path's saved tensors, as on a device."""
+    Arguments the fused kernel refuses (it raises) leave the math path's saved tensors, as on a device.
+    The third value maps the boolean mask's additive copy (by id) to the mask operand: the copy has
+    the mask's layout (replicated where the mask is), at the query's itemsize."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     a = {**dict(zip(names, args)), **kwargs}
     if a.get("enable_gqa"):
-        return saved, outs
+        return saved, outs, {}
     mask = a.get("attn_mask")
+    casts: dict[int, torch.Tensor] = {}
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         # scaled_dot_product_attention hands the kernel an additive mask in the query's dtype
-        mask = torch.empty(mask.shape, dtype=a["query"].dtype, device="meta")
+        original, mask = mask, torch.empty(mask.shape, dtype=a["query"].dtype, device="meta")
+        casts[id(mask)] = original
     fused: list[torch.Tensor] = []
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: fused.append(t) or t, lambda t: t):
@@ -378,8 +384,8 @@ def _fused_attention_saved(args: tuple, kwargs: dict, saved: list[torch.Tensor],
                 a["query"], a["key"], a["value"], float(a.get("dropout_p", 0.0)), bool(a.get("is_causal", False)),
                 attn_mask=mask, scale=a.get("scale"))
     except RuntimeError:        # e.g. a mask dtype or shape the fused kernel does not take
-        return saved, outs
-    return fused, [out]
+        return saved, outs, {}
+    return fused, [out], casts
 
 
 def _profile_arg(x: Any, by_node: dict) -> Any:
@@ -411,10 +417,19 @@ def _devices_to_meta(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _classify_saved(saved: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                    outs: Sequence[torch.Tensor]) -> list[SavedTensor]:
+                    outs: Sequence[torch.Tensor], casts: dict[int, torch.Tensor] | None = None) -> list[SavedTensor]:
+    """Each saved tensor as an operand, an output or a buffer of its own; ``casts``: copies of an
+    operand in another dtype (by id), filed as that operand at the copy's itemsize."""
+    casts = casts or {}
     result: list[SavedTensor] = []
     seen: set[tuple[str, int]] = set()
     for t in saved:
+        if id(t) in casts:
+            src = _same(casts[id(t)], inputs, "input")
+            if src is not None:
+                result.append(SavedTensor(src[0], src[1], t.numel() * t.element_size(),
+                                          t.element_size() / casts[id(t)].element_size()))
+                continue
         src = (_same(t, inputs, "input") or _same(t, outs, "output")
                or _match(t, inputs, "input") or _match(t, outs, "output"))
         if src is None:

@@ -367,7 +367,7 @@ def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCos
     for s in profile.saved:
         if s.source == "input":
             if not op.operand_is_param(s.index):
-                saved += local_bytes(op.operands[s.index], in_specs[s.index], mesh_shape)
+                saved += round(local_bytes(op.operands[s.index], in_specs[s.index], mesh_shape) * s.scale)
         elif s.source == "output":
             saved += local_bytes(op.outputs[s.index], out_specs[s.index], mesh_shape)
         else:

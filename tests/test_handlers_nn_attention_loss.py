@@ -90,6 +90,21 @@ def test_causal_query_split_needs_the_offset_mask():
         check_strategy(op, _broken_for(handler, "sq"), rows, operand_values(op, values))
 
 
+def test_a_boolean_mask_is_saved_at_the_querys_itemsize_in_the_masks_layout():
+    """The fused kernel keeps an additive copy of a boolean mask in the query's dtype: a split of
+    the heads divides q, k, v, the output and the log-sum-exp, not the (batch, 1, q, k) mask, which
+    every device converts whole (an offloaded block copies all of it to host)."""
+    q, kv = (4, 4, 8, 4), (4, 4, 8)
+    mask = torch.rand((4, 1, 8, 8), generator=torch.Generator().manual_seed(2)) > 0.3
+    graph, _ = export_nodes(Fn(_sdpa()), [*_qkv(q, kv), mask])
+    node = find_node(graph, SDPA)
+    strategies = list(node_strategies(graph, node, MeshSpec((2, 2)), load_hardware("h100-nvlink")))
+    whole = next(s for s in strategies if tuple(s.tags) == ("R", "R")).memory.saved
+    heads = next(s for s in strategies if tuple(s.tags) == ("b1", "R")).memory.saved
+    copy = mask.numel() * torch.get_default_dtype().itemsize
+    assert whole - heads == pytest.approx((whole - copy) / 2)
+
+
 # -- losses ---------------------------------------------------------------------------------------
 
 def _targets(n_classes, shape, ignore_index=-100, n_ignored=3, seed=3):

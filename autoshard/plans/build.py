@@ -244,13 +244,15 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
         for saved in op.profile().saved:
             if saved.source == "input" and not op.operand_is_param(saved.index):
                 key = _saved_operand_key(node.name, saved.index, op.operand_nodes[saved.index], resharded)
+                if saved.scale != 1.0:      # a copy in another dtype (SDPA's additive mask): a tensor of its own
+                    key = (*key, saved.scale)
                 meta, spec = op.operands[saved.index], node.inputs[saved.index]
             elif saved.source == "output":
                 key, meta, spec = (node.name, saved.index), op.outputs[saved.index], node.outputs[saved.index]
             else:
                 continue
             if key in seen[str(node.segment)]:
-                total -= local_bytes(meta, ShardSpec.parse(spec), mesh.shape)
+                total -= round(local_bytes(meta, ShardSpec.parse(spec), mesh.shape) * saved.scale)
             seen[str(node.segment)].add(key)
     return total
 
