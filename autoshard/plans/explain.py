@@ -43,11 +43,15 @@ def _peak_formula(mem: dict[str, float], mp: Any = None) -> str:
         static = " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
         if mem.get("param_copies"):
             static += f" + gathered parameters {format_bytes(mem['param_copies'])}"
+        if mem.get("grad_buckets"):
+            static += f" + gradient buckets {format_bytes(mem['grad_buckets'])}"
     else:      # mixed precision: name each part with its dtype
         static = (f"{mp.master_dtype} master params {format_bytes(mem.get('params', 0.0))} + "
                   f"{mp.master_dtype} grads {format_bytes(mem.get('grads', 0.0))} + "
                   f"optimizer {format_bytes(mem.get('optimizer', 0.0))} + "
                   f"{mp.param_dtype} working copies {format_bytes(mem.get('param_copies', 0.0))}")
+        if mem.get("grad_buckets"):
+            static += f" + {mp.reduce_dtype} gradient buckets {format_bytes(mem['grad_buckets'])}"
     held = f"{static} + activations {format_bytes(mem.get('activations', 0.0))}"
     if not mem.get("working_set"):
         return held

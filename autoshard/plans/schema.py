@@ -212,7 +212,8 @@ class Plan:
     region it recomputes, see :mod:`autoshard.solver.selective`);
     ``reshards`` (every non-identity resharding, :class:`ReshardEntry`); ``memory`` (predicted
     bytes per device: params, grads, optimizer, param_copies (parameters read larger than stored,
-    e.g. gathered per block, held until backward), activations, working_set, peak); ``time``
+    e.g. gathered per block, held until backward), grad_buckets (the runtime's gradient bucket
+    buffers), activations, working_set, peak); ``time``
     (modeled seconds per step: compute, comm, reshard, recompute, offload, total); ``comm``
     (predicted bytes per device per step by collective kind, mesh axes and phase ``fwd`` /
     ``bwd`` / ``recompute``); ``solver``; ``timings`` (seconds per planning stage);

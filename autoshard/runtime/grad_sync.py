@@ -4,8 +4,11 @@ A parameter that every use reads in its stored layout, and whose gradient each r
 partial sum over the same mesh axes, is not all-reduced per use in the graph. Its incoming gradient
 is caught by a tensor hook; parameters are grouped into buckets (by axes and dtype, in reverse
 order of first use, so buckets fill in the order backward produces gradients); a full bucket is
-flattened and all-reduced asynchronously while backward goes on; at the end of backward every
-bucket is waited for and the summed gradient written back. Gradient accumulation over several
+flattened into its buffer and all-reduced asynchronously while backward goes on; at the end of
+backward every bucket is waited for and the summed gradients written back. Each copy is one
+multi-tensor op over the bucket. A bucket's buffer is allocated once and kept, as DDP keeps its
+buckets: on CPU ranks a fresh 14 MiB buffer per step cost 6-80 ms of page faults on 4 ranks sharing
+2 cores (the plans' memory counts the buffers, ``grad_buckets``). Gradient accumulation over several
 backward passes is exact: the hook remembers what ``.grad`` held before this pass and the
 result is ``previous + reduced``, never ``previous`` reduced twice. Under mixed precision
 (``reduce_dtype``) a bucket is all-reduced in that dtype and the sum written back in the
@@ -34,16 +37,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class _Bucket:
     axes: tuple[int, ...]
     params: list[torch.nn.Parameter]
+    dtype: torch.dtype                   # what the bucket is all-reduced in
+    slices: dict[int, tuple[int, int]] = field(default_factory=dict)   # id(param) -> (offset, numel) in flat
     incoming: dict[int, torch.Tensor] = field(default_factory=dict)    # id(param) -> this pass's gradient
     previous: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None     # allocated once, kept from step to step (fresh CPU memory page-faults)
     work: object = None
-    order: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for p in self.params:
+            self.slices[id(p)] = (offset, _local(p).numel())
+            offset += _local(p).numel()
+
+    def slice_of(self, i: int, shape: torch.Size) -> torch.Tensor:
+        assert self.flat is not None
+        offset, n = self.slices[i]
+        return self.flat[offset:offset + n].view(shape)
 
     def reset(self) -> None:
         self.incoming.clear()
         self.previous.clear()
-        self.flat, self.work, self.order = None, None, []
+        self.work = None
 
 
 class GradSync:
@@ -52,7 +67,6 @@ class GradSync:
     def __init__(self, comm: MeshComm, params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None) -> None:
         self.comm = comm
-        self.reduce_dtype = reduce_dtype
         self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed = False
@@ -78,10 +92,15 @@ class GradSync:
         return hook
 
     def _launch(self, b: _Bucket) -> None:
-        b.order = [id(p) for p in b.params if id(p) in b.incoming]
-        b.flat = torch.cat([b.incoming[i].reshape(-1) for i in b.order])
-        if self.reduce_dtype is not None and b.flat.is_floating_point():
-            b.flat = b.flat.to(self.reduce_dtype)
+        """Flatten the gradients into the bucket's buffer (one multi-tensor copy, casting to the
+        reduce dtype) and all-reduce it asynchronously."""
+        grads = list(b.incoming.values())
+        if b.flat is None:
+            b.flat = torch.empty(sum(n for _, n in b.slices.values()), dtype=b.dtype, device=grads[0].device)
+        for p in b.params:
+            if id(p) not in b.incoming:        # no gradient this pass: its slice is summed as zeros
+                b.slice_of(id(p), torch.Size([-1])).zero_()
+        torch._foreach_copy_([b.slice_of(i, g.shape) for i, g in b.incoming.items()], grads)
         self.comm.counter.add("all_reduce", b.axes, BWD, b.flat.numel() * b.flat.element_size())
         b.work = dist.all_reduce(b.flat, group=self.comm.group(b.axes), async_op=True)
 
@@ -90,10 +109,10 @@ class GradSync:
         dtype), as DDP's reducer does it in C++, not a Python copy per gradient (on a GPU that loop was
         a launch-bound ~10 us per gradient), then what ``.grad`` held before this pass added back."""
         params = {id(p): p for p in b.params}
-        grads = [_local(params[i].grad) for i in b.order]
-        slices = b.flat.split([b.incoming[i].numel() for i in b.order])
-        torch._foreach_copy_(grads, [s.view(g.shape) for s, g in zip(slices, grads)])
-        accumulated = [(g, b.previous[i]) for g, i in zip(grads, b.order) if b.previous[i] is not None]
+        order = list(b.incoming)
+        grads = [_local(params[i].grad) for i in order]
+        torch._foreach_copy_(grads, [b.slice_of(i, g.shape) for i, g in zip(order, grads)])
+        accumulated = [(g, b.previous[i]) for g, i in zip(grads, order) if b.previous[i] is not None]
         if accumulated:
             torch._foreach_add_([g for g, _ in accumulated], [prev for _, prev in accumulated])
 
@@ -118,5 +137,9 @@ def _make_buckets(params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]], 
         item = reduce_dtype.itemsize if reduce_dtype is not None and p.is_floating_point() else p.element_size()
         return p.numel() * item
 
+    def reduced_in(p: torch.Tensor) -> torch.dtype:
+        return reduce_dtype if reduce_dtype is not None and p.is_floating_point() else p.dtype
+
     items = [((axes, _local(p).dtype), size(_local(p))) for p, axes in params]
-    return [_Bucket(params[b[0]][1], [params[i][0] for i in b]) for b in grad_buckets(items, bucket_bytes)]
+    return [_Bucket(params[b[0]][1], [params[i][0] for i in b], reduced_in(_local(params[b[0]][0])))
+            for b in grad_buckets(items, bucket_bytes)]

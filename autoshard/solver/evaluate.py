@@ -43,6 +43,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         t.optimizer += c.optimizer[s]
         mem.params += c.params[s]
         mem.grads += c.grads[s]
+        mem.grad_buckets += c.sync_bytes[s].sum()     # as the ILP counts them (see memory_model._static_bytes)
         if node.kind == "placeholder" and c.params[s]:
             item = cg.stored_itemsize(node.members[0])
             mem.optimizer += c.params[s] / item * options.optimizer_bytes_per_param

@@ -243,7 +243,8 @@ def minimum_budget(cg: CostGraph, options: SolverOptions = SolverOptions(),
 def _infeasible_message(cg: CostGraph, options: SolverOptions, allowed=None, reshard: Reshard = True) -> str:
     need, mem = minimum_budget(cg, options, allowed, reshard)
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
-             "gathered parameters": mem.param_copies, "activations": mem.bound - mem.static}
+             "gathered parameters": mem.param_copies, "gradient buckets": mem.grad_buckets,
+             "activations": mem.bound - mem.static}
     top = max(parts, key=parts.get)  # type: ignore[arg-type]
     return (f"no plan fits the memory budget of {format_bytes(options.memory_budget or 0)} per device on mesh "
             f"{cg.mesh}: the smallest feasible budget is {format_bytes(need, round_up=True)} "

@@ -75,9 +75,11 @@ def _allowed_decisions(options: SolverOptions, device_memory_separate: bool) -> 
 
 
 def _static_bytes(cg: CostGraph, node, opts: SolverOptions) -> np.ndarray:
-    """Per strategy of ``node``: bytes per device of its parameters, gradients and optimizer state."""
+    """Per strategy of ``node``: bytes per device of its parameters, gradients and optimizer state,
+    and of the gradient bucket slices of the parameter gradients it all-reduces in buckets (the
+    runtime keeps a bucket's buffer from step to step, as DDP does)."""
     c = node.costs
-    held = (c.params + c.grads).astype(float)
+    held = (c.params + c.grads + c.sync_bytes.sum(axis=1)).astype(float)
     if node.kind == "placeholder" and np.any(c.params):
         held += c.params / cg.stored_itemsize(node.members[0]) * opts.optimizer_bytes_per_param
     return held

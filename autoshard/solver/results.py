@@ -35,6 +35,7 @@ class MemoryPrediction:
     grads: float = 0.0
     optimizer: float = 0.0
     param_copies: float = 0.0     # parameters read larger than stored (gathered), held until backward
+    grad_buckets: float = 0.0     # the runtime's gradient bucket buffers (bucketed gradients, reduce dtype)
     activations: float = 0.0      # kept activations incl. checkpoints
     working_set: float = 0.0      # largest recomputed/offloaded segment brought back
     post_segment: float = 0.0     # part of activations saved after the last segment: freed by the
@@ -57,9 +58,9 @@ class MemoryPrediction:
 
     @property
     def static(self) -> float:
-        """What is held for the whole step: parameters, gradients, optimizer state, and the
-        parameter copies read until backward."""
-        return self.params + self.grads + self.optimizer + self.param_copies
+        """What is held for the whole step: parameters, gradients, optimizer state, the parameter
+        copies read until backward, and the gradient buckets (kept from step to step)."""
+        return self.params + self.grads + self.optimizer + self.param_copies + self.grad_buckets
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "peak": self.peak, "bound": self.bound}

@@ -346,6 +346,12 @@ def test_gradient_accumulation_through_bucketed_sync():
                                                msg=lambda m: f"step {step} micro-batch {i}: grad of {n}: {m}")
             opt.step()
             ref_opt.step()
+            buffers = [b.flat for b in pm._grad_sync.buckets]
+            if step == 0:
+                kept = [t.data_ptr() for t in buffers]
+                held = sum(t.numel() * t.element_size() for t in buffers)
+                assert held == plan.memory["grad_buckets"], f"bucket buffers {held} B, plan counts {plan.memory['grad_buckets']}"
+            assert [t.data_ptr() for t in buffers] == kept, "a bucket's buffer was reallocated (DDP keeps its buckets)"
         full = pm.state_dict()
         for n, r in reference.named_parameters():
             torch.testing.assert_close(full[n], r.detach(), rtol=RTOL, atol=ATOL,
