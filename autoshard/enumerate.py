@@ -1,6 +1,7 @@
 """Strategy enumeration over a whole captured graph."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -148,7 +149,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
 
         rules = () if handler is None or handler.replicate_only else tuple(handler.rules(op))
         namer = handler.namer if handler is not None else default_name
-        strategies = expand(op, rules, hw, namer, family=handler.cost_family(op) if handler is not None else None)
+        family = functools.partial(handler.cost_family, op) if handler is not None else None
+        strategies = expand(op, rules, hw, namer, family=family)
         if not strategies:
             raise UnsupportedOpError(f"{op.describe()} has no valid strategy on mesh {mesh}")
         if cache is not None:

@@ -216,12 +216,14 @@ def _fits(specs: Sequence[ShardSpec | None], metas: Sequence["TensorMeta | None"
 
 def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
            namer: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec | None], Sequence[AxisOption]], str],
-           family: str | None = None) -> list[Strategy]:
+           family: "str | Callable[[Sequence[ShardSpec], Sequence[ShardSpec | None]], str] | None" = None
+           ) -> list[Strategy]:
     """Every valid combination of per-axis ``options`` over the mesh, priced and named.
 
     The replicate option is always added. Mesh axes of size 1 only replicate (sharding over them
-    would duplicate strategies without changing anything). ``family`` is the op's handler family
-    (see :func:`compute_seconds`); None prices compute by the roofline.
+    would duplicate strategies without changing anything). ``family`` is the curve family that
+    prices the op's compute (see :func:`compute_seconds`), or a function of a strategy's input and
+    output specs that names it; None prices compute by the roofline.
     """
     from .comm_cost import collective_cost
 
@@ -253,12 +255,13 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
         opts = [o for _, o in combo]
         split = math.prod(mesh_shape[a] for a, o in combo if o.splits_compute)
         comm = _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_cost)
+        curve = family(in_specs, out_specs) if callable(family) else family
         out.append(Strategy(
             name=namer(op, in_specs, out_specs, opts),
             input_specs=tuple(in_specs),
             output_specs=tuple(out_specs),
-            compute_fwd=compute_seconds(op, hw, family, FWD, profile, split, _io_bytes(op, in_specs, out_specs)),
-            compute_bwd=compute_seconds(op, hw, family, BWD, profile, split, _io_bytes(op, in_specs, out_specs)),
+            compute_fwd=compute_seconds(op, hw, curve, FWD, profile, split, _io_bytes(op, in_specs, out_specs)),
+            compute_bwd=compute_seconds(op, hw, curve, BWD, profile, split, _io_bytes(op, in_specs, out_specs)),
             comm=tuple(comm),
             memory=_memory(op, in_specs, out_specs, split, profile),
             split=split,

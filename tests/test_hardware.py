@@ -338,6 +338,22 @@ def test_matmuls_with_rows_of_no_whole_16_bytes_use_their_own_curve_then_the_mat
     assert rep.compute_fwd == pytest.approx(RATE["matmul"] * flops, rel=1e-9)
 
 
+def test_a_matmul_is_unaligned_where_its_local_shard_is():
+    """Alignment is the shard's: 24 out features (rows of 96 bytes) split over 2 devices leave rows
+    of 48 bytes, over 4 devices rows of 24 bytes, which the GPU runs on its slower kernels."""
+    args = [torch.randn(64, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)]
+    graph, node = _compute_node(torch.nn.functional.linear, args)
+    flops = 2 * 64 * 32 * 24
+    by_out_split = {}      # devices the out features are split over -> the strategy splitting only them
+    for s in node_strategies(graph, node, MeshSpec((2, 2)), linear_in_work()):
+        out = s.output_specs[0]
+        if s.input_specs[0].is_replicated() and not any(out.dims[:-1]):
+            by_out_split[out.shard_factor(1, (2, 2))] = s
+    assert by_out_split[1].compute_fwd == pytest.approx(RATE["matmul"] * flops, rel=1e-9)
+    assert by_out_split[2].compute_fwd == pytest.approx(RATE["matmul"] * flops / 2, rel=1e-9)
+    assert by_out_split[4].compute_fwd == pytest.approx(RATE["matmul_unaligned"] * flops / 4, rel=1e-9)
+
+
 @pytest.mark.parametrize("fn, curve", [
     (torch.tanh, "tanh"), (torch.exp, "exp"), (torch.sigmoid, "sigmoid"), (torch.nn.functional.silu, "silu"),
     (torch.nn.functional.gelu, "gelu"), (lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "gelu_tanh"),

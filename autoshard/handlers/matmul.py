@@ -93,13 +93,19 @@ def _bias_after_reduce(bias_operand: int, bias_arg: int):
     return kernel
 
 
-def _matmul_curve(op: OpInfo) -> str:
-    """A matmul whose tensors' rows are not whole multiples of 16 bytes (an odd vocabulary: GPT-2's
-    50257) runs on a GPU's slower kernels (a bfloat16 LM head on an H100: 96 TFLOP/s, aligned
-    matmuls 750): it is priced by a curve of its own, ``matmul_unaligned``, where the profile has one."""
-    tensors = [m for m in (*op.operands, *op.outputs) if m is not None and m.dtype.is_floating_point and m.shape]
-    aligned = all(m.shape[-1] * m.dtype.itemsize % 16 == 0 for m in tensors)
-    return "matmul" if aligned else "matmul_unaligned"
+def _matmul_curve(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]) -> str:
+    """A matmul whose local tensors' rows are not whole multiples of 16 bytes (an odd vocabulary:
+    GPT-2's 50257) runs on a GPU's slower kernels (a bfloat16 LM head on an H100: 96 TFLOP/s, aligned
+    matmuls 750): it is priced by a curve of its own, ``matmul_unaligned``, where the profile has one.
+    The rows are the shard's: splitting a 4104-wide dim over 2 devices leaves rows of 2052 elements."""
+    mesh_shape = op.mesh.shape
+    for meta, spec in zip((*op.operands, *op.outputs), (*in_specs, *out_specs)):
+        if meta is None or not meta.dtype.is_floating_point or not meta.shape:
+            continue
+        row = meta.shape[-1] if spec is None else spec.local_shape(meta.shape, mesh_shape)[-1]
+        if row * meta.dtype.itemsize % 16:
+            return "matmul_unaligned"
+    return "matmul"
 
 
 @register(aten.linear.default, family="matmul", curve=_matmul_curve, namer=_matmul_namer(0, 1, [[1], [0]]),

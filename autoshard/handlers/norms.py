@@ -183,7 +183,7 @@ def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
                        uses_comm=True)
 
 
-def _batch_norm_curve(op: OpInfo) -> str:
+def _batch_norm_curve(op: OpInfo, *_specs) -> str:
     """Training batch norm reduces over N and the spatial dims per channel (about 1.5x a layer norm
     per byte on a CPU): its own curve. Eval batch norm is a per-channel scale and shift."""
     return "batch_norm" if op.arg(5, "training") else "pointwise"

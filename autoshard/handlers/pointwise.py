@@ -101,7 +101,7 @@ _OWN_CURVE = {aten.exp.default: "exp", aten.log.default: "log", aten.tanh.defaul
               aten.sigmoid.default: "sigmoid", aten.silu.default: "silu"}
 
 
-def _transcendental_curve(op: OpInfo) -> str:
+def _transcendental_curve(op: OpInfo, *_specs) -> str:
     """The function's own measured curve (see :data:`autoshard.hardware.ELEMENTWISE_FUNCTIONS`; GELU's
     depends on ``approximate``), else the median ``transcendental`` one."""
     if op.node.target is aten.gelu.default:

@@ -36,7 +36,7 @@ def _pool_rules(spatial: int):
     return rules
 
 
-def _pool_curve(op: OpInfo) -> str:
+def _pool_curve(op: OpInfo, *_specs) -> str:
     """Windowed pools have measured curves (on a CPU a 2x2 max pool costs some 40x an add per byte,
     an average pool 15x); adaptive average pools, usually global means, go by the pointwise one."""
     name = op_name(op.node.target).split(".")[1]      # aten.<name>.default

@@ -13,6 +13,7 @@ from ..strategy import AxisOption, Strategy, default_name
 
 Rules = Callable[[OpInfo], Sequence[AxisOption]]
 Namer = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"], Sequence[AxisOption]], str]
+CurveFn = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"]], str]
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,14 @@ class Handler:
     kernel: KernelFn = default_kernel
     # The measured compute curve that prices the op where it is not the family's own (tanh and the
     # other transcendental functions cost several times an add per byte on a CPU), or a function of
-    # the node that names it (training batch norm has a curve of its own, eval batch norm does not)
-    curve: "str | Callable[[OpInfo], str] | None" = None
+    # the node and one strategy's input and output specs that names it (training batch norm has a
+    # curve of its own, eval batch norm does not; a matmul's alignment is its local shard's)
+    curve: "str | CurveFn | None" = None
 
-    def cost_family(self, op: "OpInfo") -> str:
-        """The family whose measured curve prices ``op`` (see :func:`autoshard.strategy.compute_seconds`)."""
-        curve = self.curve(op) if callable(self.curve) else self.curve
+    def cost_family(self, op: "OpInfo", in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]) -> str:
+        """The family whose measured curve prices ``op`` under a strategy with these specs (see
+        :func:`autoshard.strategy.compute_seconds`)."""
+        curve = self.curve(op, in_specs, out_specs) if callable(self.curve) else self.curve
         return curve or self.family
 
 
@@ -74,7 +77,7 @@ REGISTRY: dict[Any, Handler] = {}
 def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
              grad_copies: bool = False, replicate_only: bool = False, doc: str = "",
              kernel: KernelFn = default_kernel,
-             curve: "str | Callable[[OpInfo], str] | None" = None) -> Callable[[Rules], Rules]:
+             curve: "str | CurveFn | None" = None) -> Callable[[Rules], Rules]:
     """Decorator: register ``rules`` for every op in ``targets`` (``curve``: see :attr:`Handler.curve`)."""
 
     def deco(rules: Rules) -> Rules:
