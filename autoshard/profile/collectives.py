@@ -4,12 +4,13 @@ all groups of a mesh axis at once), and how much of an async all-reduce hides be
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .timing import ProfileError, _max_over_ranks, _median_time
+from .timing import ProfileError, _interleaved_times, _max_over_ranks, _median_time
 
 __all__ = ["MEASURED_KINDS"]
 
@@ -40,7 +41,9 @@ def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torc
 def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
                      iters: int, warmup: int) -> list[float]:
     """Seconds a ``kind`` collective adds to a step, issued as a step issues its collectives: a loop
-    of a slice of compute and one collective, less the same loop without it. Every rank computes
+    of a slice of compute and one collective, less the same loop without it, timed in the same round
+    (:func:`_interleaved_times`: the median over rounds of the differences, so that another load on
+    the machine for part of the measurement does not land in one of the two only). Every rank computes
     between collectives, so each collective pays for waking the ranks that wait in it while the
     others compute: where ranks share CPU cores that costs milliseconds that a lone
     barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms)."""
@@ -51,17 +54,19 @@ def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int]
         for _ in range(4):
             torch.mm(a, a)
 
-    alone = _median_time(compute, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
-    out = []
-    for size in sizes:
-        collective = _collective(kind, size, group, device)
-
+    def step_with(collective: Callable[[], None]) -> Callable[[], None]:
         def step() -> None:
             compute()
             collective()
+        return step
 
-        with_comm = _median_time(step, device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
-        out.append(max(with_comm - alone, 0.05 * with_comm))      # noise must not make it vanish
+    steps = [step_with(_collective(kind, size, group, device)) for size in sizes]
+    rounds = _interleaved_times([compute, *steps], device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
+    out = []
+    for i in range(len(sizes)):
+        added = statistics.median(r[1 + i] - r[0] for r in rounds)
+        with_comm = statistics.median(r[1 + i] for r in rounds)
+        out.append(max(added, 0.05 * with_comm))      # noise must not make it vanish
     return out
 
 
@@ -83,12 +88,12 @@ def _measure_overlap(device: torch.device, iters: int) -> dict[str, list[float]]
     c_all = _max_over_ranks([c], device)[0]
     numel = int(min(2**26, max(2**14, probe.numel() * c_all / a_probe)))
     buf = torch.ones(numel, device=device)
-    a_alone = _median_time(lambda: dist.all_reduce(buf), device, iters, 1)
 
     def both() -> None:
         work = dist.all_reduce(buf, async_op=True)
         compute()
         work.wait()
 
-    t = _median_time(both, device, iters, 1)
+    rounds = _interleaved_times([compute, lambda: dist.all_reduce(buf), both], device, iters, 1)
+    c, a_alone, t = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {"overlap.seconds": [c, a_alone, t], "overlap.bytes": [4.0 * numel] * 3}

@@ -8,7 +8,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,39 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         times.append(max(wall, cpu * shared) / calls)
     return statistics.median(times)
+
+
+def _interleaved_times(fns: Sequence[Callable[[], object]], device: torch.device, iters: int, warmup: int,
+                       group: "dist.ProcessGroup | None" = None, *, run_s: float = 0.0) -> list[list[float]]:
+    """Seconds of one call of each of ``fns``, timed in turn: each of ``iters`` rounds runs every
+    function once (a run after a barrier on ``group``, calling it back to back for at least
+    ``run_s``, the count from the slowest rank's fastest warm-up call), so that ``times[r][i]`` and
+    ``times[r][j]`` saw the same machine. A difference of two functions is then taken per round: a
+    load that comes and goes while they are timed (another process on a shared machine) reaches both,
+    where timing one function's runs and then the other's put it in one of them only."""
+    calls = []
+    for fn in fns:
+        fastest = math.inf
+        for _ in range(max(warmup, 1)):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            fastest = min(fastest, time.perf_counter() - t0)
+        slowest = _max_over_ranks([fastest], device, group)[0]
+        calls.append(max(1, math.ceil(run_s / slowest)))
+    times = []
+    for _ in range(iters):
+        row = []
+        for fn, n in zip(fns, calls):
+            _barrier(group, device)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            row.append((time.perf_counter() - t0) / n)
+        times.append(row)
+    return times
 
 
 def _ranks_over_cores() -> float:

@@ -1,6 +1,7 @@
 """`autoshard profile` on real ranks: alpha/beta fitted from real gloo all-reduces, and the measured
 compute curves, optimizer model and overlap that every rank must agree on."""
 import math
+import time
 
 import pytest
 import torch.distributed as dist
@@ -136,3 +137,28 @@ def test_compute_timing_counts_at_least_the_ranks_share_of_the_cores():
     if dist.get_rank() == 0:
         # wall-only timing (the old rule) gives about 1; counting the share, about `share`
         assert statistics.median(ratios) >= 0.75 * share, (ratios, share)
+
+
+def test_interleaved_timing_puts_a_passing_load_in_both_functions():
+    """A load on the machine for the first half of a measurement (another process) must not land in
+    one of two functions whose difference is taken (a collective's cost is step - compute alone):
+    timed in turn, round by round, the per-round difference stays what it is (here 1 ms of sleep),
+    where timing one function's runs and then the other's made it -3 ms."""
+    import statistics
+
+    import torch
+
+    from autoshard.profile.timing import _interleaved_times
+
+    iters, calls = 10, [0]
+    loaded_calls = 2 + iters            # the warm-up calls and the first half of the rounds
+
+    def sleeper(ms: float):
+        def fn():
+            calls[0] += 1
+            time.sleep((ms + (4.0 if calls[0] <= loaded_calls else 0.0)) / 1e3)
+        return fn
+
+    rounds = _interleaved_times([sleeper(2.0), sleeper(3.0)], torch.device("cpu"), iters, 1)
+    added = statistics.median(r[1] - r[0] for r in rounds)
+    assert 0.5e-3 < added < 1.5e-3, rounds
