@@ -82,12 +82,7 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
     timed side by side drift out of phase and the last ones run alone, faster than in a step.
     """
     shared = _ranks_over_cores() if cpu_shared and device.type == "cpu" else 0.0
-    fastest = math.inf
-    for _ in range(warmup):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        fastest = min(fastest, time.perf_counter() - t0)
+    fastest = _fastest_call(fn, device, warmup)
     calls = 1
     if (budget_s is not None or run_s > 0) and warmup:
         slowest = _max_over_ranks([fastest], device, group)[0]
@@ -96,15 +91,32 @@ def _median_time(fn: Callable[[], object], device: torch.device, iters: int, war
             iters = min(iters, max(3, int(budget_s / (calls * slowest))))
     times = []
     for _ in range(iters):
-        _barrier(group, device)
-        _sync(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = _timed_run(fn, calls, device, group)
         times.append(max(wall, cpu * shared) / calls)
     return statistics.median(times)
+
+
+def _fastest_call(fn: Callable[[], object], device: torch.device, warmup: int) -> float:
+    """The fastest of ``warmup`` untimed calls of ``fn`` on this rank (inf for none)."""
+    fastest = math.inf
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest
+
+
+def _timed_run(fn: Callable[[], object], calls: int, device: torch.device,
+               group: "dist.ProcessGroup | None") -> tuple[float, float]:
+    """Wall and process CPU seconds of ``calls`` back-to-back calls of ``fn``, started after a barrier."""
+    _barrier(group, device)
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _interleaved_times(fns: Sequence[Callable[[], object]], device: torch.device, iters: int, warmup: int,
@@ -115,29 +127,9 @@ def _interleaved_times(fns: Sequence[Callable[[], object]], device: torch.device
     ``times[r][j]`` saw the same machine. A difference of two functions is then taken per round: a
     load that comes and goes while they are timed (another process on a shared machine) reaches both,
     where timing one function's runs and then the other's put it in one of them only."""
-    calls = []
-    for fn in fns:
-        fastest = math.inf
-        for _ in range(max(warmup, 1)):
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            fastest = min(fastest, time.perf_counter() - t0)
-        slowest = _max_over_ranks([fastest], device, group)[0]
-        calls.append(max(1, math.ceil(run_s / slowest)))
-    times = []
-    for _ in range(iters):
-        row = []
-        for fn, n in zip(fns, calls):
-            _barrier(group, device)
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            _sync(device)
-            row.append((time.perf_counter() - t0) / n)
-        times.append(row)
-    return times
+    fastest = [_fastest_call(fn, device, max(warmup, 1)) for fn in fns]
+    calls = [max(1, math.ceil(run_s / slowest)) for slowest in _max_over_ranks(fastest, device, group)]
+    return [[_timed_run(fn, n, device, group)[0] / n for fn, n in zip(fns, calls)] for _ in range(iters)]
 
 
 def _ranks_over_cores() -> float:
