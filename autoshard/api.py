@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture import CapturedGraph, TensorMeta, capture_meta
+from .batch_norm_modes import BATCH_NORM_MODES
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec
@@ -46,7 +47,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = DEFAULT_GAP, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global", other_mode: bool = False, mp_policy: Any = None) -> Plan:
+         outputs: str = "global", batch_norm: str = "global", other_mode: bool = False,
+         mp_policy: Any = None) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -68,7 +70,13 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
     collective and nothing priced for it; 0-dim outputs such as a loss stay global). Use
     ``"local"`` when the training loop only needs the loss, as with DDP, where each rank keeps
-    its own logits. ``other_mode``: also plan the model's graph in its other mode now (eval for a
+    its own logits. ``batch_norm``: what training batch norm normalises with: ``"global"``
+    (the statistics of the whole batch, the single-device model's function; a plan that splits
+    the batch then all-reduces each batch norm's statistics, forward and backward) or
+    ``"per_rank"`` (each of the mesh's devices' equal, consecutive share of the batch with its own
+    statistics, torch DDP's function, whatever the plan: a batch split over the devices needs no
+    communication; the running statistics are the mean of the shares' updates, averaged across
+    ranks when read, see ``ParallelModule.sync_buffers``). ``other_mode``: also plan the model's graph in its other mode now (eval for a
     model in training mode), every parameter in the layout the main plan gives it, and store it in
     ``plan.other_mode`` (see :mod:`autoshard.modes`). Off by default: it costs a second capture
     (about doubling planning time for a Hugging Face model), and the parallelized model derives the
@@ -81,7 +89,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (see :mod:`autoshard.precision`; recorded in ``plan.mixed_precision``). Needs an ``nn.Module``.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
-    ``fallback``, ``outputs`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
+    ``fallback``, ``outputs``, ``batch_norm`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
     (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
@@ -93,6 +101,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     _check_choice("solver", solver, _SOLVERS)
     _check_choice("fallback", fallback, _FALLBACKS)
     _check_choice("outputs", outputs, OUTPUT_MODES)
+    _check_choice("batch_norm", batch_norm, BATCH_NORM_MODES)
     if baseline is not None:
         from .solver.baselines import BASELINES
 
@@ -127,7 +136,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
         with stages.stage(f"capturing {name or _label(model_or_graph)} on meta tensors", "capture_s"):
             graph = _captured(model_or_graph, args, kwargs, name)
     with stages.stage(f"enumerating strategies on mesh {mesh_spec}", "enumerate_s"):
-        table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs)
+        table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs,
+                                     batch_norm=batch_norm)
     with stages.stage("building the cost graph", "costgraph_s"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks, precision=precision)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"

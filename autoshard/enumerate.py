@@ -9,6 +9,7 @@ from typing import Any, Iterator, Sequence
 import torch.fx as fx
 
 from .capture import CapturedGraph, capture
+from .batch_norm_modes import batch_norm_groups
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
 from .opinfo import OpInfo, UnsupportedOpError, op_name
@@ -59,6 +60,7 @@ class StrategyTable:
     seconds: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
     outputs: str = "global"      # one of OUTPUT_MODES
+    batch_norm: str = "global"   # one of autoshard.batch_norm_modes.BATCH_NORM_MODES
 
     def __getitem__(self, node_name: str) -> NodeStrategies:
         return self.nodes[node_name]
@@ -113,9 +115,11 @@ def check_outputs(outputs: str) -> None:
 
 def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: HardwareProfile,
                     *, fallback: str = "error", cache: dict | None = None,
-                    outputs: str = "global") -> NodeStrategies:
+                    outputs: str = "global", batch_norm: str = "global") -> NodeStrategies:
     """Strategies of one node; raises UnsupportedOpError for an op with no handler. ``outputs``
-    (see :data:`OUTPUT_MODES`) says how the graph's output node consumes its tensors."""
+    (see :data:`OUTPUT_MODES`) says how the graph's output node consumes its tensors,
+    ``batch_norm`` (see :data:`autoshard.batch_norm_modes.BATCH_NORM_MODES`) which statistics
+    training batch norm uses."""
     from .handlers import handler_for
 
     path = graph.module_path(node)
@@ -140,7 +144,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
                 f"replicated (it will be reported).")
         is_fallback = True
     op = OpInfo(node, graph, mesh, free=bool(handler and handler.free),
-                grad_copies=bool(handler and handler.grad_copies))
+                grad_copies=bool(handler and handler.grad_copies),
+                batch_norm_groups=batch_norm_groups(batch_norm, mesh))
     key = op.signature()
     if cache is not None and key in cache:
         strategies = cache[key]
@@ -176,27 +181,31 @@ def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:
 
 def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,
                          mesh_shape: Any = (2, 2), hardware: Any = "h100-nvlink",
-                         fallback: str = "error", outputs: str = "global") -> StrategyTable:
+                         fallback: str = "error", outputs: str = "global",
+                         batch_norm: str = "global") -> StrategyTable:
     """Every sharding strategy of every node of a model (captured here) or of a CapturedGraph.
 
     ``fallback="replicate"`` runs nodes whose op has no handler replicated and lists them in
     ``table.fallbacks``; the default raises :class:`UnsupportedOpError`. ``outputs``: ``"global"``
     (the graph output consumes every tensor replicated) or ``"local"`` (tensors of rank >= 1 as
-    produced; see :data:`OUTPUT_MODES`).
+    produced; see :data:`OUTPUT_MODES`). ``batch_norm``: the statistics training batch norm
+    normalises with, ``"global"`` or ``"per_rank"`` (see :mod:`autoshard.batch_norm_modes`).
     """
     if fallback not in ("error", "replicate"):
         raise ValueError(f"fallback must be 'error' or 'replicate', got {fallback!r}")
     check_outputs(outputs)
     graph = model_or_graph if isinstance(model_or_graph, CapturedGraph) else capture(model_or_graph, args, kwargs)
     mesh = MeshSpec.of(mesh_shape)
+    batch_norm_groups(batch_norm, mesh)            # ValueError for an unknown mode
     hw = load_hardware(hardware)
     start = time.perf_counter()
     cache: dict = {}
     nodes: dict[str, NodeStrategies] = {}
     fallbacks = []
     for node in graph.graph.nodes:
-        ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache, outputs=outputs)
+        ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache, outputs=outputs,
+                             batch_norm=batch_norm)
         nodes[node.name] = ns
         if ns.fallback:
             fallbacks.append(f"{ns.op} at node '{node.name}' (module '{ns.module_path or '<root>'}')")
-    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks, outputs)
+    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks, outputs, batch_norm)

@@ -58,12 +58,15 @@ class OpInfo:
     """A node as a handler sees it."""
 
     def __init__(self, node: fx.Node, graph: "CapturedGraph", mesh: MeshSpec, *, free: bool = False,
-                 grad_copies: bool = False):
+                 grad_copies: bool = False, batch_norm_groups: int = 1):
         self.node = node
         self.graph = graph
         self.mesh = mesh
         self.free = free
         self.grad_copies = grad_copies     # a free view whose backward writes its input's whole gradient
+        # training batch norm normalises each of this many equal, consecutive slices of the batch
+        # with its own statistics (1: the whole batch; see autoshard.handlers.norms)
+        self.batch_norm_groups = batch_norm_groups
         self.operand_nodes: list[fx.Node] = []
         self.operands: list["TensorMeta"] = []
         for n in tensor_operand_nodes(node):
@@ -150,6 +153,7 @@ class OpInfo:
             self.mesh.shape,
             # rules may read this graph fact (index tensors built from an arange)
             tuple(self.operand_arange_dim(j) for j in range(len(self.operands))),
+            self.batch_norm_groups,
         )
 
     def profile(self) -> OpProfile:

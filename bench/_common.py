@@ -12,6 +12,25 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# glibc malloc, left to itself, returns large freed blocks to the OS (mmap'd chunks, heap trims) and
+# moves its thresholds with what was freed last; the next step then page-faults its memory back in,
+# 0.4 ms per MiB on this VM (a 1 MiB relu into fresh memory: 448 us, into reused memory: 23 us). How
+# much depends on what ran before: interleaved configurations left each other's allocator in
+# different states (cnn-16, one run: autoshard's data-parallel plan 19.3 ms, torch DDP 16.8; with
+# this setting 17.1 and 17.1). Fixed thresholds keep freed memory in the process, as the CUDA
+# caching allocator does on a GPU; every configuration and the profile run under them.
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824"
+
+
+def rank_env(root: Path) -> dict:
+    """The environment of the benchmarks' torchrun launches: one intra-op thread per rank (4 ranks
+    share the cores), malloc keeping freed memory (see :data:`KEEP_FREED_MEMORY`), the repo importable."""
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": KEEP_FREED_MEMORY,
+            "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def machine() -> dict:
     import os
 

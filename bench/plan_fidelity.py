@@ -6,7 +6,9 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    solved (or re-priced) under THAT profile.
 2. One torchrun launch of 4 ranks measures everything else. Per model (GPT-2, Llama, BERT at two
    widths, 4 layers; the ``cnn`` preset at two widths with its cross-entropy loss computed inside
-   the captured graph), rank 0 makes the autoshard plans and broadcasts them:
+   the captured graph, planned ``batch_norm="per_rank"`` (each rank's share of the batch, as torch
+   DDP normalises), and once more, ``cnnsync-16``, with the default global batch statistics), rank
+   0 makes the autoshard plans and broadcasts them:
 
    - the three baselines (``baseline="data_parallel" | "megatron" | "zero3"``) and the solved plan;
    - the plan solved under budgets of 80%, 60% and 40% of the solved plan's modeled peak (skipped,
@@ -42,7 +44,8 @@ measured profile bench/results/fidelity-measured.yaml.
 
 Run: python bench/plan_fidelity.py [--rounds 4] [--steps 3] [--settle 1] [--warmup 2] [--models gpt2-128,cnn-16]
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
-(launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1: the profile, then all measurements).
+(launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1 and glibc malloc keeping freed memory,
+``_common.KEEP_FREED_MEMORY``: the profile, then all measurements).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, write  # noqa: E402
+from _common import KEEP_FREED_MEMORY, RESULTS, rank_env, write  # noqa: E402
 from runtime_speed import Config, run_rounds, summary  # noqa: E402
 
 MESH = (2, 2)
@@ -109,9 +112,19 @@ MODELS: dict[str, tuple[str, dict]] = {
     "llama-128": _llama(128), "llama-256": _llama(256),
     "bert-128": _bert(128), "bert-256": _bert(256),
     "cnn-16": ("cnn", dict(channels=16)), "cnn-64": ("cnn", dict(channels=64)),
+    "cnnsync-16": ("cnn", dict(channels=16)),
 }
 QUICK_MODEL = "gpt2-128"
-_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": lambda width: ("cnn", dict(channels=width))}
+_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": lambda width: ("cnn", dict(channels=width)),
+             "cnnsync": lambda width: ("cnn", dict(channels=width))}
+
+
+def batch_norm_mode(key: str) -> str:
+    """What the model's batch norm normalises with (``autoshard.plan(batch_norm=)``): ``cnn-*`` each
+    rank's share of the batch, the function torch DDP and FSDP2 compute; ``cnnsync-*`` the whole
+    batch's statistics (autoshard's default, the single-device function), which torch computes with
+    SyncBatchNorm."""
+    return "global" if key.startswith("cnnsync-") else "per_rank"
 
 
 def model_spec(key: str) -> tuple[str, dict]:
@@ -238,12 +251,13 @@ class Repricer:
     profile picked (follower merging keeps one follower strategy per producer strategy, chosen by
     cost); then the unmerged cost graph prices it."""
 
-    def __init__(self, graph, hw, options) -> None:
+    def __init__(self, graph, hw, options, batch_norm: str) -> None:
         import autoshard
         from autoshard.solver import build_cost_graph
 
         self.options = options
-        self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw, outputs=OUTPUTS)
+        self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw, outputs=OUTPUTS,
+                                                    batch_norm=batch_norm)
         self.cg = build_cost_graph(self.table)
         self._unmerged = None
 
@@ -275,7 +289,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     hw = autoshard.load_hardware(hw_path)
     options = SolverOptions(memory_budget=int(hw.memory_per_device))    # what autoshard.plan uses by default
     plans: list[dict] = []
-    common = dict(mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS)
+    common = dict(mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS, batch_norm=batch_norm_mode(key))
 
     def plain(**kw):
         return lambda: (autoshard.plan(graph, **common, **kw), None, {})
@@ -285,7 +299,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     plans.append(plan_entry("solved", "solved", plain()))
     solved = plans[-1]
     log("  building the measured profile's cost graph (re-pricing, perturbations)")
-    repricer = Repricer(graph, hw, options)
+    repricer = Repricer(graph, hw, options, batch_norm_mode(key))
     if "plan" in solved:
         # Self-check: re-pricing the solved plan must give its own modeled time.
         sol, how = repricer.price(Plan.from_dict(solved["plan"]))
@@ -304,7 +318,8 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
 
     for prof in OTHER_PROFILES:
         def other(prof=prof):
-            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key, outputs=OUTPUTS)
+            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key, outputs=OUTPUTS,
+                               batch_norm=batch_norm_mode(key))
             sol, how = repricer.price(p)
             return p, sol.time.total, {"solved_under": prof, "modeled_own_profile_s": p.time["total"],
                                        "repriced_on": f"{how} cost graph", "_breakdown": sol.time.to_dict(),
@@ -503,7 +518,7 @@ def worker(args) -> None:
         refs = {}
         references = [("torch DDP", lambda: ddp_config(key, rank)),
                       ("torch FSDP2", lambda: fsdp2_config(key, rank, mesh1d))]
-        if has_batch_norm(key):
+        if has_batch_norm(key) and batch_norm_mode(key) == "global":
             references.append((DDP_SYNC_BN, lambda: ddp_sync_bn_config(key, rank)))
         for name, make in references:
             if rank == 0:
@@ -667,8 +682,7 @@ def torchrun(argv: list[str], env: dict) -> None:
 
 
 def driver(args) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = rank_env(ROOT)
     RESULTS.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     hw_path = RESULTS / (f"{PROFILE_NAME}.yaml" if args.name == RESULT_NAME else f"{args.name}-profile.yaml")
@@ -785,21 +799,25 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                  f"{hw.memory_bandwidth / 1e9:.1f} GB/s.")
     cnn_note = ""
     if any(model_spec(m["model"])[0] == "cnn" for m in models):
+        exact = [m for m in models if model_spec(m["model"])[0] == "cnn" and batch_norm_mode(m["model"]) == "global"]
         same = "; ".join(f"{m['model']} {m['summary']['solved_over_fastest_same_function']:.2f}x "
-                         f"({m['summary']['fastest_same_function']})" for m in models
-                         if model_spec(m["model"])[0] == "cnn" and "solved_over_fastest_same_function" in m["summary"])
-        cnn_note = (" CNN: torch DDP/FSDP2 normalise with each rank's batch statistics (torch's SyncBatchNorm runs on "
-                    "GPUs only), autoshard with the global batch's, so their step-0 losses differ from autoshard's "
-                    f"by design; '{DDP_SYNC_BN}' is torch DDP with bench/cpu_sync_batchnorm.py, a CPU port of "
-                    "SyncBatchNorm (one all-reduce forward and one backward per batch norm), computing autoshard's "
-                    f"function. Solved over the fastest configuration computing the same function: {same or '-'}.")
+                         f"({m['summary']['fastest_same_function']})" for m in exact
+                         if "solved_over_fastest_same_function" in m["summary"])
+        cnn_note = (" CNN: cnn-<channels> is planned with batch_norm='per_rank' (each rank normalises its quarter of "
+                    "the batch, the function torch DDP and FSDP2 compute); cnnsync-<channels> with the default "
+                    "batch_norm='global' (the whole batch's statistics), against which torch DDP/FSDP2 compute "
+                    f"another function: '{DDP_SYNC_BN}' is torch DDP with bench/cpu_sync_batchnorm.py, a CPU port of "
+                    "SyncBatchNorm (torch's runs on GPUs only; one all-reduce forward and one backward per batch "
+                    "norm), computing that function. cnnsync solved over the fastest configuration computing the "
+                    f"same function: {same or '-'}.")
     measured_all = [e["measured"] for m in models for e in m["plans"] if "measured" in e]
     measured_all += [r for m in models for r in m["references"].values() if r and "median_ms" in r]
     ratios = [r["settle_median_ms"] / r["median_ms"] for r in measured_all if "settle_median_ms" in r]
     settle_note = (f" The untimed first step of a turn took {statistics.median(ratios):.2f}x the timed steps' median "
                    f"(median over configurations; {min(ratios):.2f}-{max(ratios):.2f}x)." if ratios else "")
     quick = " QUICK SMOKE RUN (--quick): one model, one round; not a measurement." if args.quick else ""
-    note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1. Step = forward + backward "
+    note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1, GLIBC_TUNABLES="
+            f"{KEEP_FREED_MEMORY} (malloc keeps freed memory, as a GPU's caching allocator does). Step = forward + backward "
             f"+ AdamW step, fp32, dropout 0; autoshard plans made with outputs={OUTPUTS!r} (each rank keeps its "
             f"shard of the logits, as DDP does; the loss is global); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "

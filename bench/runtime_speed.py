@@ -23,7 +23,8 @@ machine from other processes hits all configurations alike):
 3. Runtime overhead: a 1x1 mesh (one rank) running the solved plan vs the plain module.
 
 Run: python bench/runtime_speed.py [--rounds 4] [--steps 4] [--warmup 3] [--no-profile]
-(launches torchrun twice: 4 ranks for 1-2, 1 rank for 3; OMP_NUM_THREADS=1).
+(launches torchrun twice: 4 ranks for 1-2, 1 rank for 3; OMP_NUM_THREADS=1, malloc keeping freed
+memory: see bench/_common.py KEEP_FREED_MEMORY).
 """
 from __future__ import annotations
 
@@ -354,7 +355,10 @@ def launch(worker: str, nproc: int, args) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(Path(__file__).resolve()), "--worker", worker, "--out", str(out), "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + ([] if args.profile else ["--no-profile"])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        sys.path.insert(0, str(HERE))
+        from _common import rank_env
+
+        env = rank_env(ROOT)
         print("$", " ".join(cmd), flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, env=env, check=True, cwd=ROOT)
@@ -423,7 +427,7 @@ def driver(args) -> int:
             "environment": env, "comparisons": checks, "mesh_2x2": mesh, "single_rank": single}
     note = ("Step = forward + backward + AdamW step, fp32, batch 8 x seq 128 (global), median (min-max) ms of "
             f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up steps, gloo, "
-            "OMP_NUM_THREADS=1, one torchrun launch for the 2x2 rows and one (1 rank) for the 1x1 rows. "
+            "OMP_NUM_THREADS=1, glibc malloc keeping freed memory (GLIBC_TUNABLES, see bench/_common.py), one torchrun launch for the 2x2 rows and one (1 rank) for the 1x1 rows. "
             "(1) uses Llama: HF GPT-2's Conv1D layers are not nn.Linear, which DTensor's Colwise/RowwiseParallel "
             "require. (2) and (2') plans are made with outputs='local' (each rank keeps its shard of the logits, "
             "as under DDP; the loss is global); (2'') and (1) gather the outputs (outputs='global', the default). "

@@ -1,6 +1,8 @@
 """Normalisation handlers: layer_norm, rms_norm, batch_norm (sync-BN), and Llama's decomposed RMSNorm."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ from autoshard.handlers import REGISTRY, handler_for
 from autoshard.hardware import load_hardware
 from autoshard.mesh import MeshSpec
 from autoshard.models import build_model
-from autoshard.opinfo import OpInfo
+from autoshard.opinfo import OpInfo, UnsupportedOpError
 from autoshard.strategy import BWD, FWD
 from autoshard.verify import run_on_simulated_mesh, shard_of
 from handler_utils import MESHES, check_all_strategies, export_nodes, find_node
@@ -174,6 +176,82 @@ def test_sync_batch_norm_matches_the_module_and_updates_running_stats_in_float32
         for name in ("running_mean", "running_var"):
             torch.testing.assert_close(state[name], getattr(module, name), msg=f"{name} on {coord}")
             assert not torch.equal(state[name], start[name])
+
+
+def _per_rank_reference(module: nn.Module, x: torch.Tensor, groups: int):
+    """torch DDP's batch norm: each of ``groups`` consecutive slices of the batch through its own
+    copy of the module; the running statistics, the mean of the copies'."""
+    copies = [copy.deepcopy(module) for _ in range(groups)]
+    y = torch.cat([m(chunk) for m, chunk in zip(copies, x.chunk(groups))])
+    state = {name: torch.stack([getattr(m, name) for m in copies]).mean(0) for name in ("running_mean", "running_var")}
+    return y, state
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_per_rank_batch_norm_is_ddps_function_under_every_strategy_with_no_comm(mesh):
+    """Planned batch_norm="per_rank", every strategy's kernel on a simulated mesh gives each
+    device's block of the per-slice function (output, input gradient); the devices' running
+    statistics, averaged over the kernel's ``state_axes`` as the runtime does, equal the mean of the
+    slices' updates. No strategy communicates statistics, none splits a spatial dim."""
+    torch.manual_seed(3)
+    x = torch.randn(8, 4, 3, 3) * 2 + 1
+    module = _bn(nn.BatchNorm2d, 4)
+    graph, _ = export_nodes(module, (x.clone().requires_grad_(),))
+    node = find_node(graph, aten.batch_norm.default)
+    start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    ref_x = x.clone().requires_grad_()
+    ref_y, ref_state = _per_rank_reference(module, ref_x, 4)
+    grad_y = torch.randn_like(ref_y)
+    ref_y.backward(grad_y)
+
+    spec_mesh = MeshSpec(mesh)
+    strategies = node_strategies(graph, node, spec_mesh, HW, batch_norm="per_rank").strategies
+    assert {d for s in strategies for d in range(4) if s.input_specs[0].dims[d]} <= {0, 1}
+    assert any(s.input_specs[0].dims[0] for s in strategies)
+    op = OpInfo(node, graph, spec_mesh, batch_norm_groups=4)
+    for strategy in strategies:
+        assert not strategy.comm or all(not c.operand.startswith("bn-") for c in strategy.comm)
+        kernel = handler_for(node.target).kernel(op, strategy)
+        assert not kernel.uses_comm
+        assert kernel.state_axes == tuple(sorted(strategy.input_specs[0].dims[0]))
+
+        def device(coord, comm, strategy=strategy, kernel=kernel):
+            local = {n: shard_of(start[graph.param_fqn.get(n.name) or graph.buffer_fqn[n.name]],
+                                 strategy.input_specs[j + 1], mesh, coord).clone()
+                     for j, n in enumerate(op.operand_nodes[1:])}
+            for n, t in local.items():
+                t.requires_grad_(graph.param_fqn.get(n.name) is not None)
+            lx = shard_of(x, strategy.input_specs[0], mesh, coord).clone().requires_grad_()
+            by_node = {op.operand_nodes[0]: lx, **local}
+            args, kwargs = pytree.tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a,
+                                           (kernel.args, kernel.kwargs))
+            y = kernel.target(*args, **kwargs)
+            y.backward(shard_of(grad_y, strategy.output_specs[0], mesh, coord))
+            return y.detach(), lx.grad, {graph.buffer_fqn[n.name]: t for n, t in local.items() if graph.is_buffer(n)}
+
+        results = run_on_simulated_mesh(mesh, device)
+        for coord, (y, gx, state) in results.items():
+            label = f"{strategy.name} on {coord}"
+            torch.testing.assert_close(y, shard_of(ref_y.detach(), strategy.output_specs[0], mesh, coord), msg=label)
+            torch.testing.assert_close(gx, shard_of(ref_x.grad, strategy.input_specs[0], mesh, coord), msg=label)
+            for name in ("running_mean", "running_var"):
+                # the copies of the devices that differ from this one only along state_axes
+                peers = [results[c][2][name] for c in results
+                         if all(c[a] == coord[a] for a in range(2) if a not in kernel.state_axes)]
+                spec = strategy.input_specs[3 if name == "running_mean" else 4]
+                torch.testing.assert_close(torch.stack(peers).mean(0), shard_of(ref_state[name], spec, mesh, coord),
+                                           msg=f"{name}: {label}")
+
+
+def test_per_rank_batch_norm_refuses_a_batch_the_mesh_does_not_divide():
+    graph, _ = export_nodes(_bn(nn.BatchNorm2d, 4), (_x(6, 4, 2, 2),))
+    node = find_node(graph, aten.batch_norm.default)
+    with pytest.raises(UnsupportedOpError, match=r"per_rank.*batch is 6.*multiple of 4"):
+        node_strategies(graph, node, MeshSpec((2, 2)), HW, batch_norm="per_rank")
+    # eval batch norm reads its running statistics: per_rank changes nothing there
+    graph, _ = export_nodes(_bn(nn.BatchNorm2d, 4, train=False), (_x(6, 4, 2, 2),))
+    node = find_node(graph, aten.batch_norm.default)
+    assert len(node_strategies(graph, node, MeshSpec((2, 2)), HW, batch_norm="per_rank").strategies) > 1
 
 
 # -- Llama's RMSNorm, decomposed into pow / mean / add / rsqrt / mul ---------------------------------

@@ -12,6 +12,14 @@ sums, all-reduced by the framework).
   per-channel sums the input gradient needs) over the axes that split the reduced dims, so
   statistics, output, gradients and the running-stat update equal the single-device op. In eval (``training=False``) the op is
   per-channel affine with the running stats, and sharding any dim needs no communication.
+
+Planned with ``batch_norm="per_rank"`` (``op.batch_norm_groups`` = mesh size), training batch norm
+is torch DDP's: each of ``groups`` equal, consecutive slices of the batch is normalised with its own
+statistics (:func:`grouped_batch_norm`), a function of the batch alone, whatever the plan. Sharding
+N over ``k`` devices then leaves each device ``groups / k`` whole slices: no communication. The
+running statistics move by the mean over the slices of their statistics; each device updates its
+copy from its own slices, and the runtime averages the copies over the devices that split N before
+anything reads them (``LocalKernel.state_axes``), which by linearity is the same update.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..kernel_comm import DeviceComm
-from ..opinfo import OpInfo
+from ..opinfo import OpInfo, UnsupportedOpError
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, AxisOption, ExtraComm, Strategy
 from .registry import LocalKernel, default_kernel, register
@@ -173,11 +181,42 @@ def sync_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torc
     return _SyncBatchNorm.apply(input, weight, bias, running_mean, running_var, momentum, eps, comm, tuple(axes))
 
 
+def grouped_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                       training: bool, momentum: float, eps: float, cudnn_enabled: bool = False, *,
+                       groups: int) -> torch.Tensor:
+    """Training batch_norm of each of ``groups`` equal, consecutive slices of the batch (dim 0) with
+    that slice's statistics (``groups=1``: the op itself). The running statistics move by the mean
+    over the slices of each slice's statistics (mean, unbiased variance), as if each slice's
+    update were applied to a copy and the copies averaged."""
+    if groups == 1:
+        return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    n, c, rest = input.shape[0], input.shape[1], tuple(input.shape[2:])
+    if n % groups:
+        raise ValueError(f"grouped_batch_norm: a batch of {n} does not split into {groups} equal slices")
+    # slice g's channel c becomes channel g * C + c of one batch of n / groups rows
+    folded = input.reshape(groups, n // groups, c, *rest).transpose(0, 1).reshape(n // groups, groups * c, *rest)
+    per_slice = [None if t is None else t.repeat(groups) for t in (weight, bias, running_mean, running_var)]
+    y = torch.batch_norm(folded, *per_slice, training, momentum, eps, cudnn_enabled)
+    with torch.no_grad():
+        for state, copies in ((running_mean, per_slice[2]), (running_var, per_slice[3])):
+            if state is not None:
+                state.copy_(copies.view(groups, c).mean(0))        # type: ignore[union-attr]
+    return y.reshape(n // groups, groups, c, *rest).transpose(0, 1).reshape(n, c, *rest)
+
+
 def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
-    """Sync-BN when training with the batch or a spatial dim sharded; else the op itself."""
+    """Sync-BN when training with the batch or a spatial dim sharded; per-slice statistics when
+    planned per rank; else the op itself."""
     x_spec = strategy.input_specs[0]
+    training = bool(op.arg(5, "training"))
+    if training and op.batch_norm_groups > 1:
+        split = x_spec.shard_factor(0, op.mesh.shape)
+        state_axes = tuple(sorted(x_spec.dims[0]))
+        return LocalKernel(grouped_batch_norm, tuple(op.node.args),
+                           {**op.node.kwargs, "groups": op.batch_norm_groups // split}, state_axes=state_axes)
     axes = sorted(a for d, dim_axes in enumerate(x_spec.dims) if d != 1 for a in dim_axes)
-    if not op.arg(5, "training") or not axes:
+    if not training or not axes:
         return default_kernel(op, strategy)
     return LocalKernel(sync_batch_norm, tuple(op.node.args), {**op.node.kwargs, "axes": tuple(axes)},
                        uses_comm=True)
@@ -191,7 +230,7 @@ def _batch_norm_curve(op: OpInfo, *_specs) -> str:
 
 @register(aten.batch_norm.default, family="norm", kernel=batch_norm_kernel, curve=_batch_norm_curve,
           doc="batch_norm: shard C (per-channel, no comm), or N/spatial (sync-BN stats all-reduce in "
-              "training, no comm in eval)")
+              "training, no comm in eval); planned per rank, N with no comm and no spatial split")
 def batch_norm_rules(op: OpInfo) -> list[AxisOption]:
     """batch_norm(input, weight?, bias?, running_mean?, running_var?, training, momentum, eps, cudnn)"""
     ndim = len(op.shape(0))
@@ -200,6 +239,12 @@ def batch_norm_rules(op: OpInfo) -> list[AxisOption]:
     n_in = len(op.operands)
     channel = _per_channel_operands(op)
     training = bool(op.arg(5, "training"))
+    groups = op.batch_norm_groups if training else 1
+    if op.shape(0)[0] % groups:
+        raise UnsupportedOpError(
+            f"{op.describe()}: batch_norm='per_rank' normalises each of the mesh's {groups} devices' equal "
+            f"share of the batch, but this batch norm's batch is {op.shape(0)[0]}; make the batch a multiple "
+            f"of {groups} or plan with batch_norm='global'")
 
     def option(tag: str, x_dim: int, c_dim: int | None, extra: tuple[ExtraComm, ...] = ()) -> AxisOption:
         inputs: list = [None] * n_in
@@ -209,6 +254,8 @@ def batch_norm_rules(op: OpInfo) -> list[AxisOption]:
         return AxisOption(tuple(inputs), (x_dim,), tag, extra)
 
     options = [option("C", 1, 0)]
+    if groups > 1:       # a device holds whole slices of the batch: their statistics are its own
+        return options + [option("d0", 0, None)]
     for d in [0, *range(2, ndim)]:
         options.append(option(f"sync{d}" if training else f"d{d}", d, None, _SYNC_STATS if training else ()))
     return options

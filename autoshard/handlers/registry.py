@@ -27,6 +27,9 @@ class LocalKernel:
     With ``uses_comm`` the target is also called with ``comm=`` a :class:`autoshard.kernel_comm.DeviceComm`
     (the device's mesh coordinate and autograd-aware collectives), for ops that need a collective
     inside them (sync batch-norm statistics, a global token count, a vocab-sharded lookup).
+    ``state_axes``: the kernel updates the buffers among its operands (running statistics) from
+    this device's shard alone, so their copies differ across these mesh axes until the runtime
+    averages them (before anything reads them; see ``ParallelModule.sync_buffers``).
     """
 
     target: Callable
@@ -34,6 +37,7 @@ class LocalKernel:
     kwargs: dict = field(default_factory=dict)
     epilogue: Callable[[tuple[torch.Tensor, ...], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
     uses_comm: bool = False
+    state_axes: tuple[int, ...] = ()
 
 
 KernelFn = Callable[[OpInfo, Strategy], LocalKernel]

@@ -76,6 +76,7 @@ def plan_from_solution(cg: CostGraph, solution: Solution, *, model_name: str, op
         inputs=input_signature(cg.graph),
         recompute_runs=runs,
         outputs=cg.table.outputs,
+        batch_norm=cg.table.batch_norm,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         mixed_precision=cg.precision,
     )

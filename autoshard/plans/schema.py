@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..decisions import DECISIONS, Decision
+from ..batch_norm_modes import BATCH_NORM_MODES
 from ..enumerate import OUTPUT_MODES
 from ..hardware import HardwareError, HardwareProfile
 from ..phases import Phase
@@ -221,7 +222,9 @@ class Plan:
     (``"global"``: the parallelized model returns every tensor output whole on every rank;
     ``"local"``: a tensor output of rank >= 1 as each rank's shard, in the layout the output node's
     ``inputs`` record, with no collective to gather it; plans written before the field existed
-    read as ``"global"``).
+    read as ``"global"``); ``batch_norm`` (``"global"`` or ``"per_rank"``: the statistics training
+    batch norm normalises with, see :mod:`autoshard.batch_norm_modes`; plans written
+    before the field existed read as ``"global"``).
     """
 
     format_version: int
@@ -245,6 +248,7 @@ class Plan:
     inputs: dict[str, Any] | None = None
     recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
     outputs: str = "global"
+    batch_norm: str = "global"
     training: bool = True
     other_mode: "Plan | None" = None
     mixed_precision: MixedPrecision | None = None
@@ -350,6 +354,9 @@ class Plan:
         if self.outputs not in OUTPUT_MODES:
             raise PlanError(f"{source}: 'outputs' must be one of {', '.join(repr(m) for m in OUTPUT_MODES)}, "
                             f"got {self.outputs!r}. {_REPLAN}.")
+        if self.batch_norm not in BATCH_NORM_MODES:
+            raise PlanError(f"{source}: 'batch_norm' must be one of {', '.join(repr(m) for m in BATCH_NORM_MODES)}, "
+                            f"got {self.batch_norm!r}. {_REPLAN}.")
         try:
             HardwareProfile.from_dict(self.hardware)
         except (HardwareError, TypeError, ValueError) as e:

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import CapturedGraph
 from ..decisions import Decision
+from ..batch_norm_modes import batch_norm_groups
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel
@@ -71,6 +72,8 @@ class LocalProgram:
     placeholders: list[PlaceholderInfo]
     bucketed_grads: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param placeholder -> axes
     output_specs: list[ShardSpec | None] = field(default_factory=list)   # per flat output: its layout
+    # buffer FQN -> mesh axes over which kernels leave its copies differing (per-rank statistics)
+    local_state: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class LoweringError(PlanError):
@@ -91,6 +94,7 @@ class _Lowering:
         self.graph, self.plan, self.comm, self.device = graph, plan, comm, device
         self.input_mode = input_mode
         self.mesh = MeshSpec.of(tuple(plan.mesh_shape))
+        self.batch_norm_groups = batch_norm_groups(plan.batch_norm, self.mesh)
         self.reshards: dict[tuple[str, int], ReshardEntry] = {(r.dst, r.operand): r for r in plan.reshards}
         self.out = fx.Graph()
         self.root = torch.nn.Module()
@@ -110,6 +114,7 @@ class _Lowering:
         self.gather_before = self._gather_points()
         self.synced: dict[tuple[fx.Node, tuple[int, ...]], fx.Node] = {}
         self.output_specs: list[ShardSpec | None] = []
+        self.local_state: dict[str, tuple[int, ...]] = {}
         self.mp = plan.mixed_precision
         self.cast: dict[str, fx.Node] = {}     # parameter -> its working copy (mixed precision)
         self.cast_before = self._cast_points() if self.mp is not None else {}
@@ -140,7 +145,7 @@ class _Lowering:
         gm.comm = self.comm          # also where no collective reads it (partitioned checkpoints do)
         if self.regions:
             gm = apply_memory_annotations(gm)
-        return LocalProgram(gm, placeholders, dict(self.bucketed), self.output_specs)
+        return LocalProgram(gm, placeholders, dict(self.bucketed), self.output_specs, dict(self.local_state))
 
     # -- memory decisions ------------------------------------------------------------------------
 
@@ -219,6 +224,9 @@ class _Lowering:
         if kernel.uses_comm:
             kwargs = {**kwargs, "comm": self._comm()}
         state = tuple(i for i, a in enumerate(kernel.args) if isinstance(a, fx.Node) and a.name in self.graph.buffer_fqn)
+        for i in state if kernel.state_axes else ():
+            fqn = self.graph.buffer_fqn[kernel.args[i].name]
+            self.local_state[fqn] = tuple(sorted({*self.local_state.get(fqn, ()), *kernel.state_axes}))
         if state and node.name in self.region_of:     # recomputed in backward: update the buffers once
             result = self.out.create_node("call_function", update_state_once,
                                           (self._constant(kernel.target, "kernel"), state, *args), dict(kwargs),
@@ -334,7 +342,8 @@ class _Lowering:
     def _op(self, node: fx.Node) -> OpInfo:
         if node.name not in self.ops:
             handler = handler_for(node.target)
-            self.ops[node.name] = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free))
+            self.ops[node.name] = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free),
+                                         batch_norm_groups=self.batch_norm_groups)
         return self.ops[node.name]
 
     def _strategy(self, node: fx.Node) -> Strategy:

@@ -5,6 +5,7 @@ or gathered whole), full gradients, and gradient clipping by the global norm ove
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping
 
 import torch
@@ -74,6 +75,35 @@ class ShardedState(nn.Module):
         owner, attr = found
         return getattr(owner, attr)
 
+    # -- buffers each rank updates from its own shard ------------------------------------------
+
+    def _mark_buffers_stale(self, local_state: Mapping[str, tuple[int, ...]]) -> None:
+        """After a training forward whose kernels updated these buffers (FQN -> mesh axes) from this
+        rank's shard alone: their copies differ across those axes until :meth:`sync_buffers`."""
+        stale = self.__dict__.setdefault("_stale_buffers", {})
+        for fqn, axes in local_state.items():
+            stale[fqn] = tuple(sorted({*stale.get(fqn, ()), *axes}))
+
+    def sync_buffers(self) -> None:
+        """Average the buffers that each rank updates from its own share of the batch (the running
+        statistics of batch norm planned ``batch_norm="per_rank"``) over the ranks whose copies
+        differ, one all-reduce per set of mesh axes and dtype: every copy then holds the update the
+        whole batch makes. Runs by itself before an eval-mode forward and a state dict; call it
+        before reading such a buffer directly. A no-op when nothing is pending. Collective: every
+        rank must call it."""
+        stale: dict[str, tuple[int, ...]] = self.__dict__.pop("_stale_buffers", {})
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for fqn, axes in sorted(stale.items()):
+            t = self._tensor_of(fqn)
+            groups.setdefault((axes, t.dtype), []).append(t)
+        for (axes, _), tensors in groups.items():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self.comm.raw_all_reduce(flat, axes, phase="buffers")
+            flat /= math.prod(self.comm.mesh_shape[a] for a in axes)
+            with torch.no_grad():
+                for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+                    t.copy_(mean.view_as(t))
+
     # -- state dicts -----------------------------------------------------------------------------
 
     def _dtensor(self, name: str, t: torch.Tensor) -> DTensor:
@@ -82,19 +112,22 @@ class ShardedState(nn.Module):
 
     def sharded_state_dict(self) -> dict[str, DTensor]:
         """Original FQNs -> DTensor views of this rank's shards (what ``torch.distributed.checkpoint``
-        saves and loads; loading into them loads into the module)."""
+        saves and loads; loading into them loads into the module; collective)."""
+        self.sync_buffers()
         return {k: self._dtensor(k, v) for k, v in super().state_dict(keep_vars=True).items()}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full, gathered state dict with the original FQNs (collective: every rank must call it)."""
         # gathered by the runtime's own collectives, one per sharded dim (DTensor's full_tensor gathers
         # a dim sharded over both axes in two steps and logs a warning about it on every rank)
+        self.sync_buffers()
         return {k: gather_whole(v.detach(), self.comm, self.specs[k].dims)
                 for k, v in super().state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load a full (global tensors) or sharded (DTensor) state dict; each rank keeps its shards."""
         own = super().state_dict(keep_vars=True)
+        self.sync_buffers()        # a buffer left out of state_dict must not stay pending on its own
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):

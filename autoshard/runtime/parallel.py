@@ -144,6 +144,9 @@ class ParallelModule(ShardedState):
     mode), ``output_specs`` (the layout of each flat output as returned: replicated, or this rank's
     shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree),
     ``compiled`` (the current mode's compiled program with ``compile=True``, else None).
+    Under a plan made with ``batch_norm="per_rank"`` each rank updates the running statistics from
+    its own share of the batch; :meth:`sync_buffers` averages them (by itself before an eval
+    forward and a state dict).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh, *, args: Any = None,
@@ -337,7 +340,11 @@ class ParallelModule(ShardedState):
             agree_on_step(given if self.input_mode == "global" else None, mode.random, self.device,
                           wait=self.comm.wait if self._watch is not None and self._watch.poll else None)
         self._checked_modes.add(self.training)
+        if not self.training:
+            self.sync_buffers()          # eval reads the running statistics each rank updated alone
         out = mode.run(*feeds)
+        if self.training and mode.program.local_state:
+            self._mark_buffers_stale(mode.program.local_state)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         mp = self.plan.mixed_precision
         if mp is not None and mp.output is not None:      # FSDP2's output_dtype
