@@ -112,3 +112,24 @@ def test_cli_plan_outputs_local(tmp_path, capsys) -> None:
     assert specs[0] == ShardSpec.replicate(0)
     assert cli.main(["plan", "gpt2-tiny", "--mesh", "2x2", "--outputs", "whole"]) == 2   # a usage error
     assert "invalid choice: 'whole'" in capsys.readouterr().err
+
+
+def test_cli_plan_batch_norm_per_rank(tmp_path, capsys) -> None:
+    """``--batch-norm per_rank`` plans torch DDP's batch norm: recorded in the plan, said by explain,
+    and no strategy of a batch norm communicates statistics; an older plan file reads as global."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "cnn", "--mesh", "2x2", "--batch", "8", "--hardware", HW, "--batch-norm", "per_rank",
+                     "--out", str(out), "--plain"]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.batch_norm == "per_rank"
+    assert "batch norm per rank" in plan.explain(plain=True)
+    assert not any(c.operand.startswith("bn-") for n in plan.nodes.values() for c in n.collectives)
+    old = plan.to_dict()
+    del old["batch_norm"]
+    assert Plan.from_dict(json.loads(json.dumps(old))).batch_norm == "global"
+    old["batch_norm"] = "local"
+    with pytest.raises(PlanError, match="'batch_norm' must be one of 'global', 'per_rank', got 'local'"):
+        Plan.from_dict(old)
+    with pytest.raises(ValueError, match="batch_norm must be one of 'global', 'per_rank', got 'sync'"):
+        autoshard.plan(gpt2(), mesh=(2, 2), hardware=HW, batch_norm="sync")
