@@ -1,6 +1,6 @@
 """Batch norm planned ``batch_norm="per_rank"`` is torch DDP's batch norm: every rank normalises its
-own quarter of the batch. On the 4 real ranks, a CNN under autoshard's plans (solved, data parallel)
-trains as torch DDP trains the same model (its losses and parameters after three AdamW steps), the
+own quarter of the batch. On the 4 real ranks, a CNN under autoshard's plans (solved, data parallel,
+every segment recomputed) trains as torch DDP trains the same model (its losses and parameters after three AdamW steps), the
 running statistics are the mean of DDP's ranks' (averaged when read: the state dict, an eval
 forward), and the plans communicate no statistics."""
 from __future__ import annotations
@@ -16,6 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 import autoshard
 from autoshard.models import build_model
 from autoshard.plans import Plan
+from autoshard.plans.build import plan_from_solution
+from autoshard.solver import build_cost_graph, solve
+from autoshard.solver.ilp import SolverOptions
 from autoshard.runtime import capture_meta
 from runtime_harness import RTOL, ATOL, device_mesh, on_all_ranks
 
@@ -40,11 +43,21 @@ def _model_and_batch():
     return _WithLoss(net), x, labels
 
 
-def _plan_on_rank0(graph, baseline: str | None) -> Plan:
+def _every_segment_recomputed(graph) -> Plan:
+    """The plan with every memory decision recompute (regions run again in backward, where the
+    running statistics must still move once per step)."""
+    cg = build_cost_graph(autoshard.enumerate_strategies(graph, mesh_shape=(2, 2), hardware="h100-nvlink",
+                                                         batch_norm="per_rank"))
+    options = SolverOptions(fixed_decision="recompute")
+    return plan_from_solution(cg, solve(cg, options), model_name="cnn", options=options, budget=None)
+
+
+def _plan_on_rank0(graph, kind: str | None) -> Plan:
     box = [None]
     if dist.get_rank() == 0:
-        box = [autoshard.plan(graph, mesh=(2, 2), hardware="h100-nvlink", batch_norm="per_rank",
-                              baseline=baseline).to_dict()]
+        plan = _every_segment_recomputed(graph) if kind == "recompute" else \
+            autoshard.plan(graph, mesh=(2, 2), hardware="h100-nvlink", batch_norm="per_rank", baseline=kind)
+        box = [plan.to_dict()]
     dist.broadcast_object_list(box, 0)
     return Plan.from_dict(box[0])
 
@@ -66,6 +79,8 @@ def _run(baseline: str | None) -> None:
     graph = capture_meta(model, (x, labels), {}, name="cnn")
     plan = _plan_on_rank0(graph, baseline)
     assert plan.batch_norm == "per_rank"
+    if baseline == "recompute":
+        assert set(plan.segments.values()) == {"recompute"}
     assert not any(c.operand.startswith("bn-") for n in plan.nodes.values() for c in n.collectives)
     ddp = DistributedDataParallel(copy.deepcopy(model), forward_sync_buffers=False)
     pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=graph)
@@ -96,7 +111,8 @@ def _run(baseline: str | None) -> None:
         torch.testing.assert_close(pm.eval()(x, labels), reference(x, labels), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("baseline", [None, "data_parallel"], ids=["solved", "data_parallel"])
+@pytest.mark.parametrize("baseline", [None, "data_parallel", "recompute"],
+                         ids=["solved", "data_parallel", "every_segment_recomputed"])
 def test_per_rank_batch_norm_trains_as_torch_ddp(baseline):
     on_all_ranks(f"per-rank batch norm, {baseline or 'solved'} plan", _run, baseline)
 
