@@ -76,8 +76,9 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     ``"per_rank"`` (each of the mesh's devices' equal, consecutive share of the batch with its own
     statistics, torch DDP's function, whatever the plan: a batch split over the devices needs no
     communication; the running statistics are the mean of the shares' updates, averaged across
-    ranks when read, see ``ParallelModule.sync_buffers``). ``other_mode``: also plan the model's graph in its other mode now (eval for a
-    model in training mode), every parameter in the layout the main plan gives it, and store it in
+    ranks when read, see ``ParallelModule.sync_buffers``; recorded in ``plan.batch_norm``).
+    ``other_mode``: also plan the model's graph in its other mode now (eval for a model in
+    training mode), every parameter in the layout the main plan gives it, and store it in
     ``plan.other_mode`` (see :mod:`autoshard.modes`). Off by default: it costs a second capture
     (about doubling planning time for a Hugging Face model), and the parallelized model derives the
     same plan (nothing is solved) at its first ``.eval()`` when the plan lacks it. Skipped when both
@@ -89,8 +90,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (see :mod:`autoshard.precision`; recorded in ``plan.mixed_precision``). Needs an ``nn.Module``.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
-    ``fallback``, ``outputs``, ``batch_norm`` or ``baseline``, an example input with a zero-size dim), :class:`MeshError`
-    (malformed mesh, or a batch the mesh does not divide),
+    ``fallback``, ``outputs``, ``batch_norm`` or ``baseline``, an example input with a zero-size
+    dim), :class:`MeshError` (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
     and :class:`~autoshard.errors.InfeasibleBudgetError` (naming the smallest feasible budget).
