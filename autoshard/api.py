@@ -15,8 +15,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import CapturedGraph, TensorMeta, capture_meta
 from .batch_norm_modes import BATCH_NORM_MODES
+from .capture import CapturedGraph, TensorMeta, capture_meta
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshError, MeshSpec

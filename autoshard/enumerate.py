@@ -8,8 +8,8 @@ from typing import Any, Iterator, Sequence
 
 import torch.fx as fx
 
-from .capture import CapturedGraph, capture
 from .batch_norm_modes import batch_norm_groups
+from .capture import CapturedGraph, capture
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
 from .opinfo import OpInfo, UnsupportedOpError, op_name

@@ -107,24 +107,26 @@ def _bert(width: int) -> tuple[str, dict]:
                              vocab_size=VOCAB, max_position_embeddings=SEQ)
 
 
+def _cnn(width: int) -> tuple[str, dict]:
+    return "cnn", dict(channels=width)
+
+
 MODELS: dict[str, tuple[str, dict]] = {
     "gpt2-128": _gpt2(128), "gpt2-384": _gpt2(384),
     "llama-128": _llama(128), "llama-256": _llama(256),
     "bert-128": _bert(128), "bert-256": _bert(256),
-    "cnn-16": ("cnn", dict(channels=16)), "cnn-64": ("cnn", dict(channels=64)),
-    "cnnsync-16": ("cnn", dict(channels=16)),
+    "cnn-16": _cnn(16), "cnn-64": _cnn(64), "cnnsync-16": _cnn(16),
 }
 QUICK_MODEL = "gpt2-128"
-_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": lambda width: ("cnn", dict(channels=width)),
-             "cnnsync": lambda width: ("cnn", dict(channels=width))}
+_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": _cnn, "cnnsync": _cnn}
 
 
 def batch_norm_mode(key: str) -> str:
     """What the model's batch norm normalises with (``autoshard.plan(batch_norm=)``): ``cnn-*`` each
-    rank's share of the batch, the function torch DDP and FSDP2 compute; ``cnnsync-*`` the whole
-    batch's statistics (autoshard's default, the single-device function), which torch computes with
-    SyncBatchNorm."""
-    return "global" if key.startswith("cnnsync-") else "per_rank"
+    rank's share of the batch, the function torch DDP and FSDP2 compute; every other model
+    (``cnnsync-*``, and the LMs, which have no batch norm) autoshard's default, the whole batch's
+    statistics (the single-device function, which torch computes with SyncBatchNorm)."""
+    return "per_rank" if key.startswith("cnn-") else "global"
 
 
 def model_spec(key: str) -> tuple[str, dict]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..decisions import DECISIONS, Decision
 from ..batch_norm_modes import BATCH_NORM_MODES
+from ..decisions import DECISIONS, Decision
 from ..enumerate import OUTPUT_MODES
 from ..hardware import HardwareError, HardwareProfile
 from ..phases import Phase

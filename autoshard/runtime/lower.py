@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..batch_norm_modes import batch_norm_groups
 from ..capture import CapturedGraph
 from ..decisions import Decision
-from ..batch_norm_modes import batch_norm_groups
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel
