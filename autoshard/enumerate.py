@@ -155,7 +155,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
         rules = () if handler is None or handler.replicate_only else tuple(handler.rules(op))
         namer = handler.namer if handler is not None else default_name
         family = functools.partial(handler.cost_family, op) if handler is not None else None
-        strategies = expand(op, rules, hw, namer, family=family)
+        calls = functools.partial(handler.local_calls, op) if handler is not None and handler.local_calls else None
+        strategies = expand(op, rules, hw, namer, family=family, local_calls=calls)
         if not strategies:
             raise UnsupportedOpError(f"{op.describe()} has no valid strategy on mesh {mesh}")
         if cache is not None:

@@ -164,6 +164,27 @@ class HardwareProfile:
         None when not measured."""
         return None if self.optimizer is None else self.optimizer.seconds(n_tensors, nbytes)
 
+    def copy_pricing_key(self, dtype: str | None) -> tuple:
+        """Everything :meth:`copy_seconds` reads for ``dtype`` (a cache key for prices built on it)."""
+        curve = None if dtype is None else self.compute.get(dtype.removeprefix("torch."), {}).get("pointwise")
+        return (self.memory_bandwidth, curve)
+
+    def link_pricing_key(self) -> tuple:
+        """Everything :meth:`link` reads (a cache key for collective prices)."""
+        return (tuple(self.axes), self.world,
+                tuple(sorted((kind, tuple(sorted(groups.items()))) for kind, groups in self.kinds.items())))
+
+    def copy_seconds(self, nbytes: float, dtype: str | None) -> float:
+        """One memory-bound pass that reads ``nbytes`` and writes as many (a local copy the runtime
+        makes: flattening gradients into a bucket, laying a gathered shard out along its dim): the
+        measured pointwise rate at that size (``dtype`` a dtype name, ``torch.`` prefix allowed),
+        else (or with ``dtype`` None) read plus write over the memory bandwidth."""
+        if nbytes <= 0:
+            return 0.0
+        measured = None if dtype is None else self.op_seconds("pointwise", 2.0 * nbytes, Phase.FWD,
+                                                              dtype.removeprefix("torch."))
+        return measured if measured is not None else 2.0 * nbytes / self.memory_bandwidth
+
     # -- io ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         """The schema every profile meets, however it was made (from YAML, by ``autoshard profile``

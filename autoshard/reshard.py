@@ -7,8 +7,7 @@ for each mesh axis ``a`` (``n_a`` devices), the moves are:
   (``S01 -> S0`` gathers axis 1; axis 0 cannot be gathered out of ``S01`` directly).
   Bytes: the gathered local shard, ``local * n_a``.
 - ``split``: shard dim ``d`` over an unused axis ``a`` appended innermost, only if ``a`` is larger
-  than every axis already on ``d`` (so ``S0 -> S01``, never ``S1 -> S10``). Local slicing: cost 0
-  (a view of the local shard; a later kernel reads only its slice).
+  than every axis already on ``d`` (so ``S0 -> S01``, never ``S1 -> S10``). Local slicing.
 - ``all_to_all``: move ``a`` from innermost on ``d1`` to innermost on ``d2`` (same ascending
   rule on ``d2``). Bytes: the local shard.
 - ``all_reduce``: finish the pending sum over a partial axis ``a`` (``P_a -> replicated on a``).
@@ -16,21 +15,29 @@ for each mesh axis ``a`` (``n_a`` devices), the moves are:
 - ``reduce_scatter``: finish the pending sum over partial ``a`` and shard dim ``d`` over ``a``
   (appended innermost, ascending rule). Bytes: the local shard before scattering.
 - ``to_partial``: make an unused axis ``a`` partial: the coordinate 0 of ``a`` keeps the value,
-  the others hold zeros. Local, cost 0; it makes partial targets reachable.
+  the others hold zeros. Local; it makes partial targets reachable.
 
-Byte counts follow :mod:`autoshard.comm_cost` and every cost is computed from the local shard of the
-CURRENT spec. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
+A move costs its collective (:mod:`autoshard.comm_cost`, bytes by its convention, from the local
+shard of the CURRENT spec) plus the local copies the runtime makes around it
+(:class:`~autoshard.runtime.collectives.MeshComm`), each one memory-bound pass
+(:meth:`~autoshard.hardware.HardwareProfile.copy_seconds`): a gather or a split along a dim that is
+not the shard's outermost non-trivial one lays the shard out contiguously (a split: its slice; a
+gather: its input and its output), an all-to-all stacks its blocks and concatenates what it gets,
+a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a partial axis starts from a
+clone or zeros. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
 broken by fewer steps. Every fitting spec is reachable from every other (all-reduce the partial
 axes and gather innermost-first down to replicated; then make the target's partial axes and split
 its axes outer-first), so an unreachable target means it does not fit.
 
-The search runs once per (shape, itemsize, mesh shape, link models): a Dijkstra from every state
-gives an all-pairs table, which is cached; later queries are dictionary lookups.
+The search runs once per (shape, dtype, mesh shape, the prices of the profile it reads) key: a
+Dijkstra from every state gives an all-pairs table, which is cached; later queries are dictionary
+lookups.
 """
 from __future__ import annotations
 
 import functools
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -111,6 +118,7 @@ class _Problem:
     itemsize: int
     mesh_shape: tuple[int, ...]
     hw: HardwareProfile
+    dtype: str | None = None       # prices local copies by the profile's measured rate of this dtype
 
 
 def _appendable(spec: ShardSpec, axis: int, dim: int) -> bool:
@@ -119,31 +127,43 @@ def _appendable(spec: ShardSpec, axis: int, dim: int) -> bool:
     return not d or d[-1] < axis
 
 
-def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
-    """Every move out of ``spec`` (targets not yet checked for fitting)."""
-    local = spec.local_numel(p.shape, p.mesh_shape) * p.itemsize
+def _strided(shape: Sequence[int], dim: int) -> bool:
+    """Is a slice along ``dim`` of a contiguous tensor of ``shape`` strided (a copy to lay out)?"""
+    return math.prod(shape[:dim]) > 1
 
-    def comm(kind: str, axis: int, dims: tuple[int, ...], nbytes: int, after: ShardSpec) -> ReshardStep:
-        cost = collective_cost(kind, nbytes, (axis,), p.mesh_shape, p.hw)
+
+def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
+    """Every move out of ``spec`` (targets not yet checked for fitting), priced with its copies."""
+    shape = spec.local_shape(p.shape, p.mesh_shape)
+    local = math.prod(shape) * p.itemsize
+
+    def copies(*nbytes: float) -> float:
+        return sum(p.hw.copy_seconds(b, p.dtype) for b in nbytes)
+
+    def comm(kind: str, axis: int, dims: tuple[int, ...], nbytes: int, after: ShardSpec, copied: float) -> ReshardStep:
+        cost = collective_cost(kind, nbytes, (axis,), p.mesh_shape, p.hw) + copied
         return ReshardStep(kind, axis, dims, nbytes, cost, after)
 
     for a in range(len(p.mesh_shape)):
+        n = p.mesh_shape[a]
         d = spec.axis_dim(a)
         targets = [t for t in range(spec.ndim) if t != d and _appendable(spec, a, t)]
         if a in spec.partial:
             done = spec.with_partial(set(spec.partial) - {a})
-            yield comm(ALL_REDUCE, a, (), local, done)
+            yield comm(ALL_REDUCE, a, (), local, done, copies(local))
             for t in targets:
-                yield comm(REDUCE_SCATTER, a, (t,), local, done.with_dim(t, spec.dims[t] + (a,)))
+                yield comm(REDUCE_SCATTER, a, (t,), local, done.with_dim(t, spec.dims[t] + (a,)), copies(local))
         elif d is None:
             for t in targets:
-                yield ReshardStep(SPLIT, a, (t,), 0, 0.0, spec.with_dim(t, spec.dims[t] + (a,)))
-            yield ReshardStep(TO_PARTIAL, a, (), 0, 0.0, spec.with_partial(spec.partial + (a,)))
+                cost = copies(local / n) if _strided(shape, t) else 0.0
+                yield ReshardStep(SPLIT, a, (t,), 0, cost, spec.with_dim(t, spec.dims[t] + (a,)))
+            yield ReshardStep(TO_PARTIAL, a, (), 0, copies(local), spec.with_partial(spec.partial + (a,)))
         elif spec.dims[d][-1] == a:
             gathered = spec.with_dim(d, spec.dims[d][:-1])
-            yield comm(ALL_GATHER, a, (d,), local * p.mesh_shape[a], gathered)
+            laid_out = copies(local, local * n) if _strided(shape, d) else 0.0
+            yield comm(ALL_GATHER, a, (d,), local * n, gathered, laid_out)
             for t in targets:
-                yield comm(ALL_TO_ALL, a, (d, t), local, gathered.with_dim(t, spec.dims[t] + (a,)))
+                yield comm(ALL_TO_ALL, a, (d, t), local, gathered.with_dim(t, spec.dims[t] + (a,)), copies(local, local))
 
 
 class ReshardTable:
@@ -227,9 +247,9 @@ def _dijkstra(src: int, edges: list[list[tuple[int, ReshardStep]]]
 
 
 # -- public API ------------------------------------------------------------------------------------
-# Tables keyed by (shape, itemsize, mesh shape, link models): only the links of a profile enter the
-# costs. A plain dict, not lru_cache, because HardwareProfile holds dicts and is unhashable; the
-# fast path must stay a single tuple lookup (the cost graph asks for millions of pairs).
+# Tables keyed by (shape, itemsize, mesh shape, dtype, what of the profile the prices read). A plain
+# dict, not lru_cache, because HardwareProfile holds dicts and is unhashable; the fast path must stay
+# a single tuple lookup (the cost graph asks for millions of pairs).
 _TABLES: dict[tuple, ReshardTable] = {}
 
 
@@ -274,16 +294,19 @@ def _spec(spec: "ShardSpec | str") -> ShardSpec:
 
 
 def reshard_table(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int],
-                  hw: HardwareProfile) -> ReshardTable:
-    """The cached all-pairs table for one tensor shape, element size, mesh and hardware."""
-    key = (tuple(shape), itemsize, tuple(mesh_shape), tuple(hw.axes))
+                  hw: HardwareProfile, dtype: str | None = None) -> ReshardTable:
+    """The cached all-pairs table for one tensor shape, element size, mesh and hardware; ``dtype``
+    (a dtype name) prices the moves' local copies by the profile's measured rate, None by its
+    memory bandwidth."""
+    key = (tuple(shape), itemsize, tuple(mesh_shape), dtype, hw.link_pricing_key(), hw.copy_pricing_key(dtype))
     table = _TABLES.get(key)
     if table is None:
-        table = _TABLES[key] = ReshardTable(_problem(shape, itemsize, mesh_shape, hw))
+        table = _TABLES[key] = ReshardTable(_problem(shape, itemsize, mesh_shape, hw, dtype))
     return table
 
 
-def _problem(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], hw: HardwareProfile) -> _Problem:
+def _problem(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], hw: HardwareProfile,
+             dtype: str | None = None) -> _Problem:
     if int(itemsize) != itemsize or itemsize <= 0:
         raise ReshardError(f"itemsize must be a positive byte count, got {itemsize}")
     if any(int(s) != s or s < 0 for s in shape):
@@ -291,16 +314,18 @@ def _problem(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], hw:
     if len(hw.axes) < len(mesh_shape):
         raise ReshardError(f"hardware profile {hw.name!r} has {len(hw.axes)} axes, mesh {tuple(mesh_shape)} "
                            f"needs {len(mesh_shape)}")
-    return _Problem(tuple(int(s) for s in shape), int(itemsize), tuple(int(m) for m in mesh_shape), hw)
+    return _Problem(tuple(int(s) for s in shape), int(itemsize), tuple(int(m) for m in mesh_shape), hw,
+                    None if dtype is None else dtype.removeprefix("torch."))
 
 
 def reshard_plan(src: "ShardSpec | str", dst: "ShardSpec | str", shape: Sequence[int], itemsize: int,
-                 mesh_shape: Sequence[int], hw: HardwareProfile) -> ReshardPlan:
-    """Cheapest move sequence turning ``src`` into ``dst`` (memoised)."""
-    return reshard_table(shape, itemsize, mesh_shape, hw).plan(_spec(src), _spec(dst))
+                 mesh_shape: Sequence[int], hw: HardwareProfile, dtype: str | None = None) -> ReshardPlan:
+    """Cheapest move sequence turning ``src`` into ``dst`` (memoised; ``dtype``: see :func:`reshard_table`)."""
+    return reshard_table(shape, itemsize, mesh_shape, hw, dtype).plan(_spec(src), _spec(dst))
 
 
 def reshard_cost(src: "ShardSpec | str", dst: "ShardSpec | str", shape: Sequence[int], itemsize: int,
-                 mesh_shape: Sequence[int], hw: HardwareProfile) -> float:
-    """Seconds of the cheapest resharding from ``src`` to ``dst`` (memoised)."""
-    return reshard_table(shape, itemsize, mesh_shape, hw).cost(_spec(src), _spec(dst))
+                 mesh_shape: Sequence[int], hw: HardwareProfile, dtype: str | None = None) -> float:
+    """Seconds of the cheapest resharding from ``src`` to ``dst`` (memoised; ``dtype``: see
+    :func:`reshard_table`)."""
+    return reshard_table(shape, itemsize, mesh_shape, hw, dtype).cost(_spec(src), _spec(dst))

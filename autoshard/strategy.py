@@ -49,6 +49,20 @@ class ExtraComm:
 
 
 @dataclass(frozen=True)
+class LocalCalls:
+    """How a device runs a node's local kernel where that is not one call of the op on its shard:
+    ``calls`` equal calls, each on ``1/calls`` of the work, and local copies around them (bytes
+    each copy reads, per phase: concatenating the calls' outputs, or their input gradients)."""
+
+    calls: int = 1
+    copied_fwd: int = 0
+    copied_bwd: int = 0
+
+
+ONE_CALL = LocalCalls()
+
+
+@dataclass(frozen=True)
 class AxisOption:
     """What one mesh axis shards for an op.
 
@@ -216,14 +230,16 @@ def _fits(specs: Sequence[ShardSpec | None], metas: Sequence["TensorMeta | None"
 
 def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
            namer: Callable[["OpInfo", Sequence[ShardSpec], Sequence[ShardSpec | None], Sequence[AxisOption]], str],
-           family: "str | Callable[[Sequence[ShardSpec], Sequence[ShardSpec | None]], str] | None" = None
+           family: "str | Callable[[Sequence[ShardSpec], Sequence[ShardSpec | None]], str] | None" = None,
+           local_calls: "Callable[[Sequence[ShardSpec], Sequence[ShardSpec | None]], LocalCalls] | None" = None
            ) -> list[Strategy]:
     """Every valid combination of per-axis ``options`` over the mesh, priced and named.
 
     The replicate option is always added. Mesh axes of size 1 only replicate (sharding over them
     would duplicate strategies without changing anything). ``family`` is the curve family that
     prices the op's compute (see :func:`compute_seconds`), or a function of a strategy's input and
-    output specs that names it; None prices compute by the roofline.
+    output specs that names it; None prices compute by the roofline. ``local_calls``, a function of
+    the same specs, says where the local kernel is not one call of the op (see :class:`LocalCalls`).
     """
     from .comm_cost import collective_cost
 
@@ -256,12 +272,14 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
         split = math.prod(mesh_shape[a] for a, o in combo if o.splits_compute)
         comm = _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_cost)
         curve = family(in_specs, out_specs) if callable(family) else family
+        calls = local_calls(in_specs, out_specs) if local_calls is not None else ONE_CALL
+        io_bytes = _io_bytes(op, in_specs, out_specs)
         out.append(Strategy(
             name=namer(op, in_specs, out_specs, opts),
             input_specs=tuple(in_specs),
             output_specs=tuple(out_specs),
-            compute_fwd=compute_seconds(op, hw, curve, FWD, profile, split, _io_bytes(op, in_specs, out_specs)),
-            compute_bwd=compute_seconds(op, hw, curve, BWD, profile, split, _io_bytes(op, in_specs, out_specs)),
+            compute_fwd=_local_seconds(op, hw, curve, FWD, profile, split, io_bytes, calls),
+            compute_bwd=_local_seconds(op, hw, curve, BWD, profile, split, io_bytes, calls),
             comm=tuple(comm),
             memory=_memory(op, in_specs, out_specs, split, profile),
             split=split,
@@ -277,8 +295,11 @@ def _comm_actions(op, combo, in_specs, out_specs, out_partial, hw, collective_co
     def add(kind: str, axes: Sequence[int], nbytes: int, phase: Phase, operand: str, bucketed: bool = False) -> None:
         axes = tuple(a for a in sorted(axes) if mesh_shape[a] > 1)
         if axes and nbytes:
-            actions.append(CommAction(kind, axes, nbytes, phase, operand,
-                                      collective_cost(kind, nbytes, axes, mesh_shape, hw), bucketed))
+            cost = collective_cost(kind, nbytes, axes, mesh_shape, hw)
+            if kind == "all_reduce" and not bucketed:   # the runtime all-reduces a clone (buckets: priced
+                                                          # with their own copies, see solver.steptime)
+                cost += hw.copy_seconds(nbytes, op.compute_dtype)
+            actions.append(CommAction(kind, axes, nbytes, phase, operand, cost, bucketed))
 
     for j, axes in enumerate(out_partial):
         add("all_reduce", axes, local_bytes(op.outputs[j], out_specs[j], mesh_shape), FWD, f"out{j}")
@@ -322,6 +343,17 @@ _CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unalign
                      "batch_norm": ("batch_norm", "norm"), "max_pool": ("max_pool", "pointwise"),
                      "avg_pool": ("avg_pool", "pointwise"),
                      **{name: (name, "transcendental", "pointwise") for name in ELEMENTWISE_FUNCTIONS}}
+
+
+def _local_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",
+                   split: int, io_bytes: int, calls: LocalCalls) -> float:
+    """Seconds of ``phase`` of the local kernel: ``calls.calls`` calls of the op on equal parts of
+    the shard (:func:`compute_seconds` each), and its copies (one memory-bound pass each)."""
+    each = compute_seconds(op, hw, family, phase, profile, split * calls.calls, io_bytes // calls.calls)
+    if phase == BWD and each == 0.0:         # no backward: nothing to copy either
+        return 0.0
+    copied = calls.copied_fwd if phase == FWD else calls.copied_bwd
+    return calls.calls * each + hw.copy_seconds(copied, op.compute_dtype)
 
 
 def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, phase: Phase, profile: "OpProfile",

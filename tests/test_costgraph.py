@@ -149,7 +149,7 @@ def test_edge_matrices_are_reshard_costs(name):
     rng = random.Random(0)
     checked = 0
     for e in cg.edges:
-        shape, item = e.tensor.shape, e.tensor.dtype.itemsize
+        shape, item, dt = e.tensor.shape, e.tensor.dtype.itemsize, str(e.tensor.dtype)
         # index maps point at the spec each strategy really uses
         src, dst = cg.nodes[e.src], cg.nodes[e.dst]
         for c in range(len(src)):
@@ -160,12 +160,12 @@ def test_edge_matrices_are_reshard_costs(name):
         for _ in range(3):
             a, b = rng.randrange(len(e.src_specs)), rng.randrange(len(e.dst_specs))
             s, d = e.src_specs[a], e.dst_specs[b]
-            assert e.fwd[a, b] == reshard_cost(s, d, shape, item, mesh, hw)
-            plan = reshard_plan(s, d, shape, item, mesh, hw)
+            assert e.fwd[a, b] == reshard_cost(s, d, shape, item, mesh, hw, dt)
+            plan = reshard_plan(s, d, shape, item, mesh, hw, dt)
             assert e.nbytes_fwd[a, b] == sum(c.nbytes for c in plan.collectives())
             if e.grad:
-                assert e.bwd[a, b] == reshard_cost(d, s, shape, item, mesh, hw)
-                back = reshard_plan(d, s, shape, item, mesh, hw)
+                assert e.bwd[a, b] == reshard_cost(d, s, shape, item, mesh, hw, dt)
+                back = reshard_plan(d, s, shape, item, mesh, hw, dt)
                 assert e.nbytes_bwd[a, b] == sum(c.nbytes for c in back.collectives())
             else:
                 assert e.bwd[a, b] == 0 and e.nbytes_bwd[a, b] == 0
@@ -212,12 +212,12 @@ def test_merged_follower_choice_is_the_cheapest(name):
     mesh, hw = cg.table.mesh.shape, cg.table.hardware
     slack = _merge_slack(cg)
     for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
-        shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
+        shape, item, dt = edge.tensor.shape, edge.tensor.dtype.itemsize, str(edge.tensor.dtype)
 
         def cost(f):
             d = f.input_specs[0]
-            back = reshard_cost(d, spec, shape, item, mesh, hw) if edge.grad else 0.0
-            return reshard_cost(spec, d, shape, item, mesh, hw) + back + f.total_time
+            back = reshard_cost(d, spec, shape, item, mesh, hw, dt) if edge.grad else 0.0
+            return reshard_cost(spec, d, shape, item, mesh, hw, dt) + back + f.total_time
         best = min(cost(f) for f in cg.table[m].strategies)
         assert best - 1e-15 <= cost(node.member_strategy(m, c)) <= best + slack + 1e-15
 
@@ -249,15 +249,15 @@ def test_merged_follower_ties_keep_the_producers_layout(name):
     slack = _merge_slack(cg)
     checked = 0
     for node, m, c, spec, edge in _merged_followers(cg, graph_of(name, merge=False, alias=False)):
-        shape, item = edge.tensor.shape, edge.tensor.dtype.itemsize
+        shape, item, dt = edge.tensor.shape, edge.tensor.dtype.itemsize, str(edge.tensor.dtype)
 
         def key(f):
             d = f.input_specs[0]
-            cost = reshard_cost(spec, d, shape, item, mesh, hw) + f.total_time
-            steps = len(reshard_plan(spec, d, shape, item, mesh, hw).steps)
+            cost = reshard_cost(spec, d, shape, item, mesh, hw, dt) + f.total_time
+            steps = len(reshard_plan(spec, d, shape, item, mesh, hw, dt).steps)
             if edge.grad:
-                cost += reshard_cost(d, spec, shape, item, mesh, hw)
-                steps += len(reshard_plan(d, spec, shape, item, mesh, hw).steps)
+                cost += reshard_cost(d, spec, shape, item, mesh, hw, dt)
+                steps += len(reshard_plan(d, spec, shape, item, mesh, hw, dt).steps)
             return cost, d != spec, steps, len(d.used_axes())
         keys = [key(f) for f in cg.table[m].strategies]
         best = min(k[0] for k in keys)

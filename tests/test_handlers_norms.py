@@ -243,6 +243,31 @@ def test_per_rank_batch_norm_is_ddps_function_under_every_strategy_with_no_comm(
                                            msg=f"{name}: {label}")
 
 
+def test_per_rank_batch_norm_prices_one_call_per_slice_and_the_concatenation():
+    """A device that holds k of the batch's per-rank slices runs k batch norms, each priced as the
+    op on one slice (the same op captured on a quarter of the batch), and concatenates the outputs
+    (backward: the input gradients), one memory-bound pass each; one slice, one call, no copy."""
+    hw = load_hardware("cpu-gloo")                      # measured curves: small calls cost more per byte
+    mesh = MeshSpec((2, 2))
+
+    def strategies(batch: int, **kw):
+        graph, _ = export_nodes(_bn(nn.BatchNorm2d, 4), (_x(batch, 4, 6, 6),))
+        node = find_node(graph, aten.batch_norm.default)
+        return {str(s.input_specs[0]): s for s in node_strategies(graph, node, mesh, hw, **kw).strategies}
+
+    per_rank, quarter = strategies(8, batch_norm="per_rank"), strategies(2)
+    whole = per_rank["RS01RR"]                          # channels split, all 4 slices on every device
+    one = quarter["RS01RR"]
+    local = 8 * 1 * 6 * 6 * 4                           # bytes of the device's input (and output)
+    assert whole.compute_fwd == pytest.approx(4 * one.compute_fwd + hw.copy_seconds(local, "float32"))
+    assert whole.compute_bwd == pytest.approx(4 * one.compute_bwd + hw.copy_seconds(local, "float32"))
+    assert per_rank["S0S1RR"].compute_fwd == pytest.approx(2 * quarter["RS1RR"].compute_fwd
+                                                           + hw.copy_seconds(4 * 2 * 36 * 4, "float32"))
+    data_parallel = per_rank["S01RRR"]                  # one slice per device: the op itself
+    assert data_parallel.compute_fwd == pytest.approx(quarter["RRRR"].compute_fwd)
+    assert data_parallel.compute_bwd == pytest.approx(quarter["RRRR"].compute_bwd)
+
+
 def test_per_rank_batch_norm_refuses_a_batch_the_mesh_does_not_divide():
     graph, _ = export_nodes(_bn(nn.BatchNorm2d, 4), (_x(6, 4, 2, 2),))
     node = find_node(graph, aten.batch_norm.default)

@@ -97,7 +97,7 @@ def expected_comm(cg: CostGraph, choice: dict[str, int]) -> Counter:
         moves = [("fwd", src, dst, e.nbytes_fwd[a, b])] + ([("bwd", dst, src, e.nbytes_bwd[a, b])] if e.grad else [])
         for phase, x, y, nbytes in moves:
             steps = [s for s in reshard_plan(x, y, e.tensor.shape, e.tensor.dtype.itemsize, cg.mesh.shape,
-                                             cg.hardware).steps if s.collective is not None]
+                                             cg.hardware, str(e.tensor.dtype)).steps if s.collective is not None]
             assert sum(s.nbytes for s in steps) == nbytes
             for s in steps:
                 total[(s.kind, (s.axis,), phase)] += s.nbytes

@@ -1,6 +1,7 @@
 """Resharding: known cases, errors, and optimality against an exhaustive search written here."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -36,17 +37,35 @@ def test_gather_is_one_all_gather_of_the_full_tensor():
     assert str(step).startswith("all_gather(axis=0, dim=0, 256 B, ")
 
 
-def test_split_is_free():
+def copy(nbytes: float) -> float:
+    """One local copy of ``nbytes`` on HW (no measured curve: read + write over the bandwidth)."""
+    return 2 * nbytes / HW.memory_bandwidth
+
+
+def test_split_of_the_outer_dim_is_free_an_inner_one_copies_its_slice():
     p = plan("RR", "S0R")
     assert [(s.kind, s.axis, s.dims) for s in p.steps] == [("split", 0, (0,))] and p.cost == 0.0
     assert str(p.steps[0]) == "split(axis=0, dim=0)"
+    inner = plan("RR", "RS0")
+    assert [(s.kind, s.dims) for s in inner.steps] == [("split", (1,))]
+    assert inner.cost == pytest.approx(copy(8 * 8 * 4 / 2))       # chunk(...).contiguous() of a column block
+    assert plan("RR", "RS0", shape=(1, 8)).cost == 0.0             # a leading dim of 1: the slice is contiguous
+
+
+def test_gather_of_an_inner_dim_pays_its_layout_copies():
+    p = plan("RS0", "RR")
+    [step] = p.steps
+    assert (step.kind, step.dims, step.nbytes) == ("all_gather", (1,), 256)
+    # the shard moved to the front and made contiguous, and the gathered result moved back
+    assert p.cost == pytest.approx(collective_cost("all_gather", 256, (0,), (2, 2), HW) + copy(128) + copy(256))
 
 
 def test_shard_to_other_dim_is_one_all_to_all():
     p = plan("S0R", "RS0")
     [step] = p.steps
     assert (step.kind, step.axis, step.dims, step.nbytes) == ("all_to_all", 0, (0, 1), 128)
-    assert p.cost == collective_cost("all_to_all", 128, (0,), (2, 2), HW)
+    # its blocks stacked before, what it got concatenated after
+    assert p.cost == pytest.approx(collective_cost("all_to_all", 128, (0,), (2, 2), HW) + 2 * copy(128))
     assert "dim 0->1" in str(step)
 
 
@@ -54,13 +73,27 @@ def test_partial_to_shard_is_one_reduce_scatter():
     p = plan("RR+P1", "RS1")
     [step] = p.steps
     assert (step.kind, step.axis, step.dims, step.nbytes) == ("reduce_scatter", 1, (1,), 256)
-    assert p.cost == collective_cost("reduce_scatter", 256, (1,), (2, 2), HW)
+    assert p.cost == pytest.approx(collective_cost("reduce_scatter", 256, (1,), (2, 2), HW) + copy(256))
 
 
-def test_partial_to_replicate_is_all_reduce_and_back_is_free():
-    assert [s.kind for s in plan("RR+P0", "RR").steps] == ["all_reduce"]
+def test_partial_to_replicate_is_all_reduce_of_a_clone_and_back_a_local_copy():
+    there = plan("RR+P0", "RR")
+    assert [s.kind for s in there.steps] == ["all_reduce"]
+    assert there.cost == pytest.approx(collective_cost("all_reduce", 256, (0,), (2, 2), HW) + copy(256))
     back = plan("RR", "RR+P0")
-    assert [s.kind for s in back.steps] == ["to_partial"] and back.cost == 0.0
+    assert [s.kind for s in back.steps] == ["to_partial"] and back.cost == pytest.approx(copy(256))
+
+
+def test_copies_priced_by_the_measured_pointwise_curve_of_the_dtype():
+    from autoshard.hardware import ComputeCurve
+    curve = ComputeCurve((1e3, 1e6), (1e-6, 1e-3), (2e-6, 2e-3))
+    measured = dataclasses.replace(HW, compute={"float32": {"pointwise": curve}})
+    p = reshard_plan(S("RS0"), S("RR"), (8, 8), 4, (2, 2), measured, "torch.float32")
+    gather = collective_cost("all_gather", 256, (0,), (2, 2), HW)
+    assert p.cost == pytest.approx(gather + curve.seconds(2 * 128, "fwd") + curve.seconds(2 * 256, "fwd"))
+    # a dtype with no curve, or none given, falls back to the bandwidth; tables are not shared across these
+    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured, "bfloat16") == pytest.approx(gather + copy(128) + copy(256))
+    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured) == pytest.approx(gather + copy(128) + copy(256))
 
 
 def test_both_axes_gather_goes_innermost_first():
@@ -115,21 +148,27 @@ def one_move(s: ShardSpec, t: ShardSpec, shape, mesh):
         return None
     a = changed[0]
     rs, rt = role(s, a), role(t, a)
-    local = math.prod(shape) // math.prod(mesh[b] for b in s.used_axes() - set(s.partial)) * 4
+    local_shape = s.local_shape(shape, mesh)
+    local = math.prod(local_shape) * 4
     if not (innermost(s, a) and innermost(t, a)):
         return None
+
+    def strided(dim: int) -> bool:      # a block along ``dim`` is not one contiguous piece of the shard
+        return math.prod(local_shape[:dim]) > 1
+
     if rs is None and rt == ("P",):
-        return "to_partial", a, (), 0.0
+        return "to_partial", a, (), copy(local)
     if rs is None:
-        return "split", a, (rt[1],), 0.0
+        return "split", a, (rt[1],), copy(local / mesh[a]) if strided(rt[1]) else 0.0
     if rs == ("P",) and rt is None:
-        return "all_reduce", a, (), collective_cost("all_reduce", local, (a,), mesh, HW)
+        return "all_reduce", a, (), collective_cost("all_reduce", local, (a,), mesh, HW) + copy(local)
     if rs == ("P",):
-        return "reduce_scatter", a, (rt[1],), collective_cost("reduce_scatter", local, (a,), mesh, HW)
+        return "reduce_scatter", a, (rt[1],), collective_cost("reduce_scatter", local, (a,), mesh, HW) + copy(local)
     if rt is None:
-        return "all_gather", a, (rs[1],), collective_cost("all_gather", local * mesh[a], (a,), mesh, HW)
+        layout = copy(local) + copy(local * mesh[a]) if strided(rs[1]) else 0.0
+        return "all_gather", a, (rs[1],), collective_cost("all_gather", local * mesh[a], (a,), mesh, HW) + layout
     if rt[0] == "S":
-        return "all_to_all", a, (rs[1], rt[1]), collective_cost("all_to_all", local, (a,), mesh, HW)
+        return "all_to_all", a, (rs[1], rt[1]), collective_cost("all_to_all", local, (a,), mesh, HW) + 2 * copy(local)
     return None  # sharded -> partial is not a move
 
 

@@ -9,7 +9,7 @@ import torch
 
 from autoshard.comm_cost import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
 from autoshard.hardware import load_hardware
-from autoshard.solver.steptime import (SyncedGradient, SyncPricing, copy_seconds, exposed_grad_sync,
+from autoshard.solver.steptime import (SyncedGradient, SyncPricing, exposed_grad_sync,
                                        optimizer_seconds, overlap_fraction)
 
 MESH = (2, 2)
@@ -49,7 +49,7 @@ def test_without_overlap_every_bucket_is_waited_for():
     assert total == pytest.approx(collective_cost("all_reduce", 3 * MiB, (0, 1), MESH, hw))
     # one bucket: flattened when its last gradient is ready (delaying backward), all-reduced, waited
     # for in full, then copied back into its three gradients in one pass over the bucket
-    flatten = back = copy_seconds(hw, 3 * MiB, "float32")
+    flatten = back = hw.copy_seconds(3 * MiB, "float32")
     assert exposed == pytest.approx(flatten + total + back)
 
 
@@ -57,7 +57,7 @@ def test_full_overlap_hides_buckets_that_finish_before_backward_ends():
     hw = _gloo(1.0)
     big = GRAD_BUCKET_BYTES                  # one bucket per gradient
     one = collective_cost("all_reduce", big, (0, 1), MESH, hw)
-    copy = copy_seconds(hw, big, "float32")  # a flatten, and a copy back, of one bucket
+    copy = hw.copy_seconds(big, "float32")  # a flatten, and a copy back, of one bucket
     early = _grads(2.0 * one, 0.0, nbytes=big)   # second gradient ready at the start of backward
     exposed, total = exposed_grad_sync(early, backward_end=10 * one, mesh_shape=MESH, hw=hw)
     # both all-reduces hide behind backward; what is left are the copies on the compute stream
@@ -72,7 +72,7 @@ def test_partial_overlap_charges_the_hidden_part_at_one_minus_overlap():
     hw = _gloo(eta)
     big = GRAD_BUCKET_BYTES
     one = collective_cost("all_reduce", big, (0, 1), MESH, hw)
-    copy = copy_seconds(hw, big, "float32")
+    copy = hw.copy_seconds(big, "float32")
     exposed, _ = exposed_grad_sync(_grads(0.0, nbytes=big), backward_end=10 * one, mesh_shape=MESH, hw=hw)
     assert exposed == pytest.approx(copy + (1 - eta) * one + copy)
 
@@ -81,9 +81,9 @@ def test_bucket_copies_are_priced_at_the_measured_pointwise_rate():
     """A flatten or copy back reads and writes the bytes once: the profile's pointwise curve at
     twice the bytes, or read + write over the memory bandwidth for a profile without curves."""
     cpu, gpu = load_hardware("cpu-gloo"), load_hardware("a100-nvlink")
-    assert copy_seconds(cpu, MiB, "float32") == pytest.approx(cpu.op_seconds("pointwise", 2 * MiB, "fwd", "float32"))
-    assert copy_seconds(gpu, MiB, "torch.float32") == pytest.approx(2 * MiB / gpu.memory_bandwidth)
-    assert copy_seconds(cpu, 0, "float32") == 0.0
+    assert cpu.copy_seconds(MiB, "float32") == pytest.approx(cpu.op_seconds("pointwise", 2 * MiB, "fwd", "float32"))
+    assert gpu.copy_seconds(MiB, "torch.float32") == pytest.approx(2 * MiB / gpu.memory_bandwidth)
+    assert cpu.copy_seconds(0, "float32") == 0.0
 
 
 def test_ilp_pricing_is_bandwidth_plus_one_latency_per_bucket():

@@ -31,7 +31,7 @@ import torch
 from ..kernel_comm import DeviceComm
 from ..opinfo import OpInfo, UnsupportedOpError
 from ..specs import ShardSpec
-from ..strategy import BWD, FWD, AxisOption, ExtraComm, Strategy
+from ..strategy import BWD, FWD, ONE_CALL, AxisOption, ExtraComm, LocalCalls, Strategy, local_bytes
 from .registry import LocalKernel, default_kernel, register
 
 aten = torch.ops.aten
@@ -186,23 +186,33 @@ def grouped_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: t
                        training: bool, momentum: float, eps: float, cudnn_enabled: bool = False, *,
                        groups: int) -> torch.Tensor:
     """Training batch_norm of each of ``groups`` equal, consecutive slices of the batch (dim 0) with
-    that slice's statistics (``groups=1``: the op itself). The running statistics move by the mean
-    over the slices of each slice's statistics (mean, unbiased variance), as if each slice's
-    update were applied to a copy and the copies averaged."""
+    that slice's statistics (``groups=1``: the op itself): one call per slice, on a view of it, and
+    the outputs concatenated (backward: one concatenation of the input gradients). The running
+    statistics move by the mean over the slices of each slice's statistics (mean, unbiased
+    variance), as if each slice's update were applied to a copy and the copies averaged."""
     if groups == 1:
         return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
-    n, c, rest = input.shape[0], input.shape[1], tuple(input.shape[2:])
+    n = input.shape[0]
     if n % groups:
         raise ValueError(f"grouped_batch_norm: a batch of {n} does not split into {groups} equal slices")
-    # slice g's channel c becomes channel g * C + c of one batch of n / groups rows
-    folded = input.reshape(groups, n // groups, c, *rest).transpose(0, 1).reshape(n // groups, groups * c, *rest)
-    per_slice = [None if t is None else t.repeat(groups) for t in (weight, bias, running_mean, running_var)]
-    y = torch.batch_norm(folded, *per_slice, training, momentum, eps, cudnn_enabled)
+    outs, updated = [], []
+    for piece in input.split(n // groups):
+        copies = [None if t is None else t.clone() for t in (running_mean, running_var)]
+        outs.append(torch.batch_norm(piece, weight, bias, *copies, training, momentum, eps, cudnn_enabled))
+        updated.append(copies)
     with torch.no_grad():
-        for state, copies in ((running_mean, per_slice[2]), (running_var, per_slice[3])):
+        for i, state in enumerate((running_mean, running_var)):
             if state is not None:
-                state.copy_(copies.view(groups, c).mean(0))        # type: ignore[union-attr]
-    return y.reshape(n // groups, groups, c, *rest).transpose(0, 1).reshape(n, c, *rest)
+                state.copy_(torch.stack([u[i] for u in updated]).mean(0))
+    return torch.cat(outs)
+
+
+def _local_slices(op: OpInfo, x_spec: ShardSpec) -> int:
+    """How many of the batch's per-rank slices a device holds under a strategy with input ``x_spec``
+    (1 unless training with ``batch_norm='per_rank'``)."""
+    if not (op.arg(5, "training") and op.batch_norm_groups > 1):
+        return 1
+    return op.batch_norm_groups // x_spec.shard_factor(0, op.mesh.shape)
 
 
 def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
@@ -211,15 +221,26 @@ def batch_norm_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
     x_spec = strategy.input_specs[0]
     training = bool(op.arg(5, "training"))
     if training and op.batch_norm_groups > 1:
-        split = x_spec.shard_factor(0, op.mesh.shape)
         state_axes = tuple(sorted(x_spec.dims[0]))
         return LocalKernel(grouped_batch_norm, tuple(op.node.args),
-                           {**op.node.kwargs, "groups": op.batch_norm_groups // split}, state_axes=state_axes)
+                           {**op.node.kwargs, "groups": _local_slices(op, x_spec)}, state_axes=state_axes)
     axes = sorted(a for d, dim_axes in enumerate(x_spec.dims) if d != 1 for a in dim_axes)
     if not training or not axes:
         return default_kernel(op, strategy)
     return LocalKernel(sync_batch_norm, tuple(op.node.args), {**op.node.kwargs, "axes": tuple(axes)},
                        uses_comm=True)
+
+
+def _batch_norm_calls(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]
+                      ) -> LocalCalls:
+    """A device holding several per-rank slices runs one call each and concatenates the outputs
+    (backward: the input gradients)."""
+    slices = _local_slices(op, in_specs[0])
+    if slices == 1:
+        return ONE_CALL
+    mesh = op.mesh.shape
+    return LocalCalls(slices, copied_fwd=local_bytes(op.outputs[0], out_specs[0], mesh),
+                      copied_bwd=local_bytes(op.operands[0], in_specs[0], mesh))
 
 
 def _batch_norm_curve(op: OpInfo, *_specs) -> str:
@@ -229,6 +250,7 @@ def _batch_norm_curve(op: OpInfo, *_specs) -> str:
 
 
 @register(aten.batch_norm.default, family="norm", kernel=batch_norm_kernel, curve=_batch_norm_curve,
+          local_calls=_batch_norm_calls,
           doc="batch_norm: shard C (per-channel, no comm), or N/spatial (sync-BN stats all-reduce in "
               "training, no comm in eval); planned per rank, N with no comm and no spatial split")
 def batch_norm_rules(op: OpInfo) -> list[AxisOption]:

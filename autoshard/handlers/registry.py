@@ -9,11 +9,12 @@ import torch
 
 from ..opinfo import OpInfo, op_name
 from ..specs import ShardSpec
-from ..strategy import AxisOption, Strategy, default_name
+from ..strategy import AxisOption, LocalCalls, Strategy, default_name
 
 Rules = Callable[[OpInfo], Sequence[AxisOption]]
 Namer = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"], Sequence[AxisOption]], str]
 CurveFn = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"]], str]
+LocalCallsFn = Callable[[OpInfo, Sequence[ShardSpec], Sequence["ShardSpec | None"]], LocalCalls]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Handler:
     # the node and one strategy's input and output specs that names it (training batch norm has a
     # curve of its own, eval batch norm does not; a matmul's alignment is its local shard's)
     curve: "str | CurveFn | None" = None
+    # Where the kernel a strategy gets is not one call of the op on the local shard (see
+    # :class:`autoshard.strategy.LocalCalls`): a function of the node and the strategy's specs
+    local_calls: LocalCallsFn | None = None
 
     def cost_family(self, op: "OpInfo", in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]) -> str:
         """The family whose measured curve prices ``op`` under a strategy with these specs (see
@@ -81,13 +85,16 @@ REGISTRY: dict[Any, Handler] = {}
 def register(*targets: Any, family: str, namer: Namer = default_name, free: bool = False,
              grad_copies: bool = False, replicate_only: bool = False, doc: str = "",
              kernel: KernelFn = default_kernel,
-             curve: "str | CurveFn | None" = None) -> Callable[[Rules], Rules]:
-    """Decorator: register ``rules`` for every op in ``targets`` (``curve``: see :attr:`Handler.curve`)."""
+             curve: "str | CurveFn | None" = None, local_calls: LocalCallsFn | None = None
+             ) -> Callable[[Rules], Rules]:
+    """Decorator: register ``rules`` for every op in ``targets`` (``curve``, ``local_calls``: see
+    :class:`Handler`)."""
 
     def deco(rules: Rules) -> Rules:
         h = Handler(family=family, rules=rules, namer=namer, free=free, grad_copies=grad_copies,
                     replicate_only=replicate_only,
-                    doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel, curve=curve)
+                    doc=doc or (rules.__doc__ or "").strip().split("\n")[0], kernel=kernel, curve=curve,
+                    local_calls=local_calls)
         for t in targets:
             if t in REGISTRY:
                 raise ValueError(f"{op_name(t)} registered twice ({REGISTRY[t].family} and {family})")

@@ -190,7 +190,7 @@ def _reshards(cg: "CostGraph", choice: dict[str, int]) -> list[ReshardEntry]:
 
 def _reshard_entry(cg: "CostGraph", src: str, dst: str, operand: int, out_idx: int, meta: Any,
                    grad: bool, src_spec: ShardSpec, dst_spec: ShardSpec) -> ReshardEntry:
-    args = (meta.shape, meta.dtype.itemsize, cg.mesh.shape, cg.hardware)
+    args = (meta.shape, meta.dtype.itemsize, cg.mesh.shape, cg.hardware, str(meta.dtype))
     fwd = reshard_plan(src_spec, dst_spec, *args)
     bwd = reshard_plan(dst_spec, src_spec, *args) if grad else None
     return ReshardEntry(

@@ -340,10 +340,11 @@ class _Builder:
         return hit[0]
 
     def _reshard(self, meta: TensorMeta) -> _Reshard:
-        key = (meta.shape, meta.dtype.itemsize)
+        key = (meta.shape, meta.dtype)
         rs = self._reshards.get(key)
         if rs is None:
-            rt = reshard_table(meta.shape, meta.dtype.itemsize, self.table.mesh.shape, self.table.hardware)
+            rt = reshard_table(meta.shape, meta.dtype.itemsize, self.table.mesh.shape, self.table.hardware,
+                               str(meta.dtype))
             rs = _RESHARDS.get(id(rt))
             if rs is None or rs.table is not rt:
                 rs = _RESHARDS[id(rt)] = _Reshard(rt)
@@ -410,20 +411,30 @@ def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad
     return min(tied.tolist(), key=key)
 
 
+def _local_moves_seconds(rt: ReshardTable, src: ShardSpec, dst: ShardSpec) -> float:
+    """Seconds of the local moves (a split's copy) of the resharding from ``src`` to ``dst``."""
+    if src == dst:
+        return 0.0
+    return sum(step.cost for step in rt.plan(src, dst).steps if step.collective is None)
+
+
 def _combine(host: Strategy, follower: Strategy, rt: ReshardTable, out_spec: ShardSpec,
              in_spec: ShardSpec, grad: bool, label: str) -> Strategy:
     """A host strategy with a follower strategy folded in: costs, collectives (with the
-    resharding between them, labelled ``label``) and memory added; inputs/outputs the host's."""
+    resharding between them, labelled ``label``; its local moves' copies as compute) and memory
+    added; inputs/outputs the host's."""
     moves = _reshard_actions(rt, out_spec, in_spec, FWD, label)
+    local_bwd = 0.0
     if grad:
         moves += _reshard_actions(rt, in_spec, out_spec, BWD, label)
+        local_bwd = _local_moves_seconds(rt, in_spec, out_spec)
     m, f = host.memory, follower.memory
     return Strategy(
         name=f"{host.name} | {follower.name}",
         input_specs=host.input_specs,
         output_specs=host.output_specs,
-        compute_fwd=host.compute_fwd + follower.compute_fwd,
-        compute_bwd=host.compute_bwd + follower.compute_bwd,
+        compute_fwd=host.compute_fwd + follower.compute_fwd + _local_moves_seconds(rt, out_spec, in_spec),
+        compute_bwd=host.compute_bwd + follower.compute_bwd + local_bwd,
         comm=host.comm + moves + follower.comm,
         memory=MemoryCost(m.params + f.params, m.grads + f.grads, m.saved + f.saved,
                           m.outputs + f.outputs),

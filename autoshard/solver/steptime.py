@@ -24,8 +24,9 @@ approximation: per mesh-axis set, bytes over the bucket bandwidth plus one laten
 
 Bucketing copies: the runtime flattens a bucket's gradients into one buffer (a ``cat``) before its
 all-reduce and copies the summed buffer back into the gradients after it (one multi-tensor copy),
-two memory-bound passes over the bucket's bytes on the compute stream (:func:`copy_seconds`; on CPU
-ranks, where a 25 MiB pass costs milliseconds, they were the largest unmodeled part of a
+two memory-bound passes over the bucket's bytes on the compute stream
+(:meth:`~autoshard.hardware.HardwareProfile.copy_seconds`; on CPU ranks, where a 25 MiB pass costs
+milliseconds, they were the largest unmodeled part of a
 data-parallel step). The flatten delays backward and the bucket's start; the copy back runs after
 each bucket's wait.
 
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ..comm_cost import GRAD_BUCKET_BYTES, collective_cost, grad_buckets
-from ..phases import Phase
 
 if TYPE_CHECKING:
     from ..hardware import HardwareProfile
@@ -57,22 +57,12 @@ def optimizer_seconds(hw: "HardwareProfile", nbytes: float, n_tensors: int = 1) 
     return measured if measured is not None else ADAMW_TRAFFIC * nbytes / hw.memory_bandwidth
 
 
-def copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
-    """One memory-bound pass that reads ``nbytes`` and writes as many (flattening gradients into a
-    bucket, or copying one back out): the profile's measured pointwise rate at that size (``dtype``
-    a dtype name, ``torch.`` prefix allowed), else read plus write over the memory bandwidth."""
-    if nbytes <= 0:
-        return 0.0
-    measured = hw.op_seconds("pointwise", 2.0 * nbytes, Phase.FWD, dtype.removeprefix("torch."))
-    return measured if measured is not None else 2.0 * nbytes / hw.memory_bandwidth
-
-
 def bucket_copy_seconds(hw: "HardwareProfile", nbytes: float, dtype: str) -> float:
     """The ILP's linear price of the copies of one gradient of ``nbytes`` that is bucketed: its share
     of flattening a full bucket, and of copying one back out."""
     if nbytes <= 0:
         return 0.0
-    return 2.0 * copy_seconds(hw, GRAD_BUCKET_BYTES, dtype) * nbytes / GRAD_BUCKET_BYTES
+    return 2.0 * hw.copy_seconds(GRAD_BUCKET_BYTES, dtype) * nbytes / GRAD_BUCKET_BYTES
 
 
 def overlap_fraction(hw: "HardwareProfile") -> float:
@@ -128,12 +118,12 @@ def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh
         first = grads[bucket[0]]
         nbytes = sum(grads[i].nbytes for i in bucket)
         cost = collective_cost("all_reduce", nbytes, first.axes, mesh_shape, hw)
-        flattened += copy_seconds(hw, nbytes, first.dtype)
+        flattened += hw.copy_seconds(nbytes, first.dtype)
         start = max(comm_end, max(grads[i].ready for i in bucket) + flattened)
         overlapped += max(0.0, min(cost, backward_end + flattened - start))
         comm_end = start + cost
         total += cost
-        done.append((comm_end, copy_seconds(hw, nbytes, first.dtype)))
+        done.append((comm_end, hw.copy_seconds(nbytes, first.dtype)))
     clock = backward_end + flattened + (1.0 - eta) * overlapped
     for end, copy_back in done:                  # the runtime waits for each bucket, then copies it back
         clock = max(clock, end) + copy_back
