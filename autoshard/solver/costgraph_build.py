@@ -372,12 +372,16 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _reshard_actions(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: Phase,
-                     label: str) -> tuple[CommAction, ...]:
+def _reshard_parts(rt: ReshardTable, src: ShardSpec, dst: ShardSpec, phase: Phase,
+                   label: str) -> tuple[tuple[CommAction, ...], float]:
+    """The resharding from ``src`` to ``dst`` as its collectives (labelled ``label``) and the
+    seconds of its local moves (a split's copy)."""
     if src == dst:
-        return ()
-    return tuple(CommAction(step.kind, (step.axis,), step.nbytes, phase, label, step.cost)
-                 for step in rt.plan(src, dst).steps if step.collective is not None)
+        return (), 0.0
+    steps = rt.plan(src, dst).steps
+    return (tuple(CommAction(step.kind, (step.axis,), step.nbytes, phase, label, step.cost)
+                  for step in steps if step.collective is not None),
+            sum(step.cost for step in steps if step.collective is None))
 
 
 def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad: bool,
@@ -411,31 +415,21 @@ def _tie_break(rs: _Reshard, src: int, f_in: np.ndarray, total: np.ndarray, grad
     return min(tied.tolist(), key=key)
 
 
-def _local_moves_seconds(rt: ReshardTable, src: ShardSpec, dst: ShardSpec) -> float:
-    """Seconds of the local moves (a split's copy) of the resharding from ``src`` to ``dst``."""
-    if src == dst:
-        return 0.0
-    return sum(step.cost for step in rt.plan(src, dst).steps if step.collective is None)
-
-
 def _combine(host: Strategy, follower: Strategy, rt: ReshardTable, out_spec: ShardSpec,
              in_spec: ShardSpec, grad: bool, label: str) -> Strategy:
     """A host strategy with a follower strategy folded in: costs, collectives (with the
     resharding between them, labelled ``label``; its local moves' copies as compute) and memory
     added; inputs/outputs the host's."""
-    moves = _reshard_actions(rt, out_spec, in_spec, FWD, label)
-    local_bwd = 0.0
-    if grad:
-        moves += _reshard_actions(rt, in_spec, out_spec, BWD, label)
-        local_bwd = _local_moves_seconds(rt, in_spec, out_spec)
+    moves, local_fwd = _reshard_parts(rt, out_spec, in_spec, FWD, label)
+    back, local_bwd = _reshard_parts(rt, in_spec, out_spec, BWD, label) if grad else ((), 0.0)
     m, f = host.memory, follower.memory
     return Strategy(
         name=f"{host.name} | {follower.name}",
         input_specs=host.input_specs,
         output_specs=host.output_specs,
-        compute_fwd=host.compute_fwd + follower.compute_fwd + _local_moves_seconds(rt, out_spec, in_spec),
+        compute_fwd=host.compute_fwd + follower.compute_fwd + local_fwd,
         compute_bwd=host.compute_bwd + follower.compute_bwd + local_bwd,
-        comm=host.comm + moves + follower.comm,
+        comm=host.comm + moves + back + follower.comm,
         memory=MemoryCost(m.params + f.params, m.grads + f.grads, m.saved + f.saved,
                           m.outputs + f.outputs),
         split=host.split,
