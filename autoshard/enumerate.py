@@ -12,7 +12,7 @@ from .batch_norm_modes import batch_norm_groups
 from .capture import CapturedGraph, capture
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
-from .opinfo import OpInfo, UnsupportedOpError, op_name
+from .opinfo import UnsupportedOpError, op_name
 from .specs import ShardSpec, all_specs
 from .strategy import MemoryCost, Strategy, expand
 
@@ -121,6 +121,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     ``batch_norm`` (see :data:`autoshard.batch_norm_modes.BATCH_NORM_MODES`) which statistics
     training batch norm uses."""
     from .handlers import handler_for
+    from .handlers.registry import op_info
 
     path = graph.module_path(node)
     if node.op in ("placeholder", "get_attr"):   # get_attr: e.g. the body of a higher-order op
@@ -143,9 +144,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
                 f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
                 f"replicated (it will be reported).")
         is_fallback = True
-    op = OpInfo(node, graph, mesh, free=bool(handler and handler.free),
-                grad_copies=bool(handler and handler.grad_copies),
-                batch_norm_groups=batch_norm_groups(batch_norm, mesh))
+    op = op_info(node, graph, mesh, batch_norm_groups=batch_norm_groups(batch_norm, mesh))
     key = op.signature()
     if cache is not None and key in cache:
         strategies = cache[key]

@@ -2,6 +2,7 @@
 top-level ``autoshard.plan`` API (input validation) and the ``plan``/``explain`` CLI."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -23,7 +24,8 @@ from autoshard.reshard import reshard_plan
 from autoshard.solver import CostGraph, build_cost_graph
 from autoshard.param_gather import gathered_bytes
 from autoshard.solver.evaluate import _gather_seconds
-from autoshard.solver.ilp import InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, param_gathers, predict
+from autoshard.solver.ilp import (InfeasibleBudgetError, Solution, SolverOptions, minimum_budget, param_gathers, predict,
+                                 solve)
 from autoshard.specs import ShardSpec
 from autoshard.units import format_bytes
 
@@ -449,3 +451,24 @@ def test_the_summary_says_how_much_is_sharded() -> None:
     replicated = autoshard.plan(graph, mesh=(2, 2), hardware="cpu-gloo")
     assert all(n.comm_bytes == 0 for n in replicated.nodes.values()) and not replicated.reshards
     assert f"sharding: none - every device runs all {ops} compute ops" in "\n".join(replicated.summary_lines())
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (2, 2)])
+def test_offloaded_bytes_read_getitem_as_the_view_it_is(mesh: tuple[int, int]) -> None:
+    # GPT-2's attention splits q, k, v and reads them through getitem. The plan's offloaded bytes
+    # looked at each offloaded node's op profile and profiled getitem as an op on the split's first
+    # operand: with a batch of 2, getitem(x, 2) indexed dim 0 and raised; with a larger batch it
+    # silently profiled x[i]. getitem is a free view: it saves nothing, so the bytes scale with the batch.
+    def offloaded(batch: int) -> float:
+        cg = build_cost_graph(autoshard.enumerate_strategies(graph_of("gpt2-tiny", batch, 2), mesh_shape=mesh,
+                                                             hardware="h100-nvlink"))
+        options = SolverOptions(memory_budget=None)
+        free = solve(cg, options)
+        offload = {s: "offload" for s in free.decisions}
+        t, mem = predict(cg, free.choice, offload, options)
+        sol = dataclasses.replace(free, decisions=offload, time=t, memory=mem, objective=t.total, status="hand")
+        return plan_from_solution(cg, sol, model_name="gpt2-tiny", options=options, budget=None).memory["offloaded"]
+
+    small, large = offloaded(2), offloaded(8)
+    assert small > 0
+    assert large == pytest.approx(4 * small, rel=0.02)      # the causal mask is the part that does not scale

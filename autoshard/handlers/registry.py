@@ -117,3 +117,11 @@ def handler_for(target: Any) -> Handler | None:
     """The handler of an op, registered by the op itself or by its name (custom ops of a library
     that may not be imported when the handlers are: ``"transformers.grouped_mm_fallback.default"``)."""
     return REGISTRY.get(target) or REGISTRY.get(op_name(target))
+
+
+def op_info(node: Any, graph: Any, mesh: Any, *, batch_norm_groups: int = 1) -> OpInfo:
+    """``node`` as its handler sees it (free views and gradient-copying views flagged as the
+    handler registered them, so that their profile is the handler's, not a measured one)."""
+    handler = handler_for(node.target)
+    return OpInfo(node, graph, mesh, free=bool(handler and handler.free),
+                  grad_copies=bool(handler and handler.grad_copies), batch_norm_groups=batch_norm_groups)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..decisions import RECOMPUTING, Decision
-from ..opinfo import OpInfo
+from ..handlers.registry import op_info
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
 from ..solver.evaluate import gradient_reduction, param_gathers
@@ -241,7 +241,7 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
         if node.kind != "call_function" or decisions.get(node.segment or "") != Decision.OFFLOAD:
             continue
         total += node.memory["saved"]
-        op = OpInfo(graph.node(node.name), graph, mesh)
+        op = op_info(graph.node(node.name), graph, mesh)
         for saved in op.profile().saved:
             if saved.source == "input" and not op.operand_is_param(saved.index):
                 key = _saved_operand_key(node.name, saved.index, op.operand_nodes[saved.index], resharded)

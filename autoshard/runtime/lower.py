@@ -38,7 +38,7 @@ from ..capture import CapturedGraph
 from ..decisions import Decision
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
-from ..handlers.registry import default_kernel
+from ..handlers.registry import default_kernel, op_info
 from ..mesh import MeshSpec
 from ..opinfo import OpInfo, op_name
 from ..param_gather import ParamGathers, param_uses, plan_param_gathers
@@ -341,9 +341,7 @@ class _Lowering:
 
     def _op(self, node: fx.Node) -> OpInfo:
         if node.name not in self.ops:
-            handler = handler_for(node.target)
-            self.ops[node.name] = OpInfo(node, self.graph, self.mesh, free=bool(handler and handler.free),
-                                         batch_norm_groups=self.batch_norm_groups)
+            self.ops[node.name] = op_info(node, self.graph, self.mesh, batch_norm_groups=self.batch_norm_groups)
         return self.ops[node.name]
 
     def _strategy(self, node: fx.Node) -> Strategy:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..comm_cost import ALL_GATHER, REDUCE_SCATTER, collective_cost
 from ..grad_reduction import Axes, live
-from ..opinfo import OpInfo
+from ..handlers.registry import op_info
 from ..param_gather import block_of
 from ..specs import ShardSpec
 from ..strategy import BWD
@@ -137,7 +137,7 @@ def _saved_by_consumer(cg: CostGraph, e: CGEdge) -> bool:
     node = cg.graph.node(e.dst_member)
     if node.op != "call_function":
         return False
-    profile = OpInfo(node, cg.graph, cg.mesh).profile()
+    profile = op_info(node, cg.graph, cg.mesh).profile()
     return any(s.source == "input" and s.index == e.operand for s in profile.saved)
 
 
