@@ -223,6 +223,33 @@ def test_fresh_views_of_one_live_tensor_are_offloaded_once() -> None:
     torch.testing.assert_close(out, gm(x), rtol=0, atol=0)
 
 
+
+class _MaskedScores(nn.Module):
+    """A mask broadcast over heads (stride 0), saved by the op that reads it, as CUDA's SDPA saves
+    its attention bias."""
+
+    def forward(self, scores, mask):
+        return scores * mask.expand_as(scores)
+
+
+def test_broadcast_views_are_offloaded_as_the_memory_they_read() -> None:
+    gm = fx.symbolic_trace(_MaskedScores())
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[OFFLOAD_META] = [0, True, True]
+    annotated = apply_memory_annotations(gm)
+    scores = torch.randn(2, 8, 5, 5, requires_grad=True)
+    mask = torch.rand(2, 1, 5, 5)
+    packed = HOST_OFFLOAD_COUNTER.packed_tensors, HOST_OFFLOAD_COUNTER.packed_bytes
+    out = annotated(scores, mask)
+    # mul saves only the expanded mask (the scores' gradient needs it; the mask needs none): 2x1x5x5 copied, not 2x8x5x5
+    assert (HOST_OFFLOAD_COUNTER.packed_tensors - packed[0], HOST_OFFLOAD_COUNTER.packed_bytes - packed[1]) \
+        == (1, 2 * 5 * 5 * F32)
+    out.backward(torch.ones_like(out))
+    expected = scores.detach().clone().requires_grad_()
+    (expected * mask.expand_as(expected)).backward(torch.ones_like(out))
+    torch.testing.assert_close(scores.grad, expected.grad, rtol=0, atol=0)
+
 def test_offloaded_checkpoint_inputs_leave_the_meter() -> None:
     # Checkpoint inputs offloaded with torch's save_on_cpu are not seen by the meter (documented).
     _, kept = _annotated_mlp({0: 0, 1: 0, 2: 0}, {})

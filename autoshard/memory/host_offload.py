@@ -110,10 +110,14 @@ def delegate_unpack(packed: Any) -> torch.Tensor:
 class _HostCopy:
     """Host copy of one saved tensor; gives the device tensor back on :meth:`restore`."""
 
-    __slots__ = ("device", "host", "copied", "prefetched", "prefetch_done", "source", "__weakref__")
+    __slots__ = ("device", "host", "copied", "prefetched", "prefetch_done", "source", "broadcast_to", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.device = t.device
+        # A broadcast view (stride 0: an attention mask expanded over heads, which CUDA's SDPA saves)
+        # is copied as the memory it reads and expanded again on the way back, not materialised.
+        compact = _unbroadcast(t)
+        self.broadcast_to = tuple(t.shape) if compact is not t else None
         # The tensor that owns the memory: ops often save a fresh view of a live value (linear saves
         # its input reshaped to 2D), and that view object dies once packed, while its base lives on.
         self.source = weakref.ref(t._base if t._base is not None else t)
@@ -123,19 +127,19 @@ class _HostCopy:
         if t.device.type == "cuda":
             # Pinned buffer + side stream: the copy overlaps the rest of the forward.
             # empty_like keeps the strides of dense tensors, so restore() gives the same layout.
-            self.host = torch.empty_like(t, device="cpu", pin_memory=True)
+            self.host = torch.empty_like(compact, device="cpu", pin_memory=True)
             stream = _offload_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                self.host.copy_(t, non_blocking=True)
+                self.host.copy_(compact, non_blocking=True)
                 self.copied = stream.record_event()
             # The caching allocator must not hand t's memory out again before the copy has read it.
             t.record_stream(stream)
         else:
             # On CPU this "offload" gains nothing, but it is a real copy (the original storage can
             # be freed), so byte accounting and tests mean the same thing as on CUDA.
-            self.host = torch.empty_like(t, device="cpu")
-            self.host.copy_(t)
+            self.host = torch.empty_like(compact, device="cpu")
+            self.host.copy_(compact)
         nbytes = self.host.untyped_storage().nbytes()
         HOST_OFFLOAD_COUNTER._add(nbytes)
         weakref.finalize(self, HOST_OFFLOAD_COUNTER._release, nbytes)
@@ -152,6 +156,10 @@ class _HostCopy:
 
     def restore(self) -> torch.Tensor:
         """The saved tensor on its original device."""
+        back = self._back_on_device()
+        return back if self.broadcast_to is None else back.expand(self.broadcast_to)
+
+    def _back_on_device(self) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.host
         current = torch.cuda.current_stream(self.device)
@@ -162,6 +170,14 @@ class _HostCopy:
             return self.prefetched
         current.wait_event(self.copied)
         return self.host.to(self.device, non_blocking=True)
+
+
+def _unbroadcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every broadcast dim (stride 0, size > 1) narrowed to size 1 (``t`` itself if none):
+    the elements it reads, which ``.expand(t.shape)`` turns back into ``t``."""
+    if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride())):
+        return t
+    return t.as_strided([1 if st == 0 else n for n, st in zip(t.shape, t.stride())], t.stride(), t.storage_offset())
 
 
 class HostOffloadHooks:
@@ -208,8 +224,10 @@ class HostOffloadHooks:
         return delegate_unpack(packed)
 
     def prefetch(self) -> None:
-        """Start copying every live host copy of this region back to the device."""
-        for host_copy in list(self._copies.values()):
+        """Start copying every live host copy of this region back to the device, the last saved
+        first: backward needs them in reverse order, so it can start on the first while the rest
+        are still on their way."""
+        for host_copy in reversed(list(self._copies.values())):
             host_copy.prefetch()
 
     def prefetch_on_backward(self, *outputs: Any) -> None:
