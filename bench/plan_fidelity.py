@@ -33,7 +33,10 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    backward + AdamW step (fp32, dropout 0), timed between two barriers; medians of interleaved
    rounds (every configuration runs ``--settle`` untimed steps, then ``--steps`` timed ones, in turn:
    the first step after another configuration ran is slower, from caches and memory the other one
-   left, which no training run that keeps one model sees). Step 0 is the global batch's loss
+   left, which no training run that keeps one model sees). A model gets at least ``--rounds`` rounds,
+   more (up to ``--max-rounds``) where its rounds are short, so that its timed steps last about
+   ``--timed-seconds`` (the number of rounds from the last warm-up step of each configuration: a
+   CNN's 20 ms steps get as many samples as the machine's noise needs, for the time of a few LM steps). Step 0 is the global batch's loss
    for every configuration (DDP/FSDP2: the mean of the ranks' losses on their equal shares).
 
 Per model: Spearman rank correlation of modeled vs measured step time over the distinct autoshard
@@ -42,7 +45,8 @@ fastest measured configuration (DDP and FSDP2 included). Targets: solved/fastest
 Spearman >= 0.9, median error <= 20%. Writes bench/results/plan_fidelity.{json,md,png} and the
 measured profile bench/results/fidelity-measured.yaml.
 
-Run: python bench/plan_fidelity.py [--rounds 4] [--steps 3] [--settle 1] [--warmup 2] [--models gpt2-128,cnn-16]
+Run: python bench/plan_fidelity.py [--rounds 4] [--max-rounds 24] [--timed-seconds 60] [--steps 3] [--settle 1]
+                                    [--warmup 2] [--models gpt2-128,cnn-16]
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
 (launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1 and glibc malloc keeping freed memory,
 ``_common.KEEP_FREED_MEMORY``: the profile, then all measurements).
@@ -74,7 +78,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import KEEP_FREED_MEMORY, RESULTS, rank_env, write  # noqa: E402
-from runtime_speed import Config, run_rounds, summary  # noqa: E402
+from runtime_speed import Config, run_rounds, summary, timed_step  # noqa: E402
 
 MESH = (2, 2)
 OUTPUTS = "local"     # autoshard returns each rank's shard of the logits, as DDP does (plan(outputs=...))
@@ -394,6 +398,24 @@ def agree(error: tuple[str, str] | None) -> tuple[str, str] | None:
     return next((f"rank {r}: {e[0]}", e[1]) for r, e in enumerate(errors) if e is not None)
 
 
+def warm_up_and_count_rounds(configs: list[Config], args: argparse.Namespace) -> int:
+    """Run every configuration's warm-up steps (the last one timed) and return the number of rounds
+    whose timed steps last about ``args.timed_seconds``, within ``[args.rounds, args.max_rounds]``;
+    the same on every rank (from the slowest rank's estimate)."""
+    import torch.distributed as dist
+
+    last = []
+    for cfg in configs:
+        times: list[float] = []
+        for _ in range(max(args.warmup, 1)):
+            timed_step(cfg, dist.barrier, into=times)
+        last.append(times[-1])
+    estimate = torch.tensor([args.steps * sum(last)], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+    wanted = math.ceil(args.timed_seconds / max(float(estimate), 1e-9))
+    return max(args.rounds, min(args.max_rounds, wanted))
+
+
 def guarded(make: Callable[[], Config], name: str, rank: int) -> tuple[Config | None, tuple[str, str] | None]:
     """Build a configuration and run its step 0 (the loss check) on every rank, recording any error."""
     cfg, error = None, None
@@ -529,11 +551,12 @@ def worker(args) -> None:
             refs[name] = {"name": name, "error": f"run failed: {err[0]}", "traceback": err[1]} if err else None
             if cfg is not None:
                 configs.append(cfg)
-        if rank == 0:
-            log(f"  timing {len(configs)} configurations: {args.warmup} warm-up + {args.rounds} rounds x "
-                f"{args.steps} steps each")
         t0 = time.perf_counter()
-        run_rounds(configs, args.warmup, args.rounds, args.steps, dist.barrier, settle=args.settle)
+        rounds = warm_up_and_count_rounds(configs, args)
+        if rank == 0:
+            log(f"  timing {len(configs)} configurations: {args.warmup} warm-up + {rounds} rounds x "
+                f"{args.steps} steps each")
+        run_rounds(configs, 0, rounds, args.steps, dist.barrier, settle=args.settle)
         timing_s = time.perf_counter() - t0
         measured = {c.name: summary(c) for c in configs}
         for entry in plans:
@@ -542,6 +565,7 @@ def worker(args) -> None:
         for name, err in refs.items():
             refs[name] = measured.get(name) or err
         results.append({"model": key, "preset": model_spec(key)[0], "overrides": model_spec(key)[1], "params": params,
+                        "rounds": rounds,
                         "graph_nodes": len(graph.graph.nodes),
                         "plans": plans, "references": refs, "plan_s": plan_seconds, "timing_s": timing_s,
                         "model_s": time.perf_counter() - t_model})
@@ -696,7 +720,8 @@ def driver(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         torchrun([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--hardware", str(hw_path),
-                  "--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                  "--models", args.models, "--rounds", str(args.rounds), "--max-rounds", str(args.max_rounds),
+                  "--timed-seconds", str(args.timed_seconds), "--steps", str(args.steps),
                   "--settle", str(args.settle), "--warmup", str(args.warmup)], env)
         data = json.loads(out.read_text())
     wall_s = time.perf_counter() - t_start
@@ -812,6 +837,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                     "SyncBatchNorm (torch's runs on GPUs only; one all-reduce forward and one backward per batch "
                     "norm), computing that function. cnnsync solved over the fastest configuration computing the "
                     f"same function: {same or '-'}.")
+    rounds_by_model = {m["model"]: m.get("rounds", args.rounds) for m in models}
     measured_all = [e["measured"] for m in models for e in m["plans"] if "measured" in e]
     measured_all += [r for m in models for r in m["references"].values() if r and "median_ms" in r]
     ratios = [r["settle_median_ms"] / r["median_ms"] for r in measured_all if "settle_median_ms" in r]
@@ -824,7 +850,9 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
             f"shard of the logits, as DDP does; the loss is global); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
-            f"{args.rounds} interleaved round(s) x {args.steps} step(s) (each turn after {args.settle} untimed step(s)), "
+            f"interleaved rounds x {args.steps} step(s) (each turn after {args.settle} untimed step(s); rounds per model: "
+            f"{', '.join(f'{m}: {m_rounds}' for m, m_rounds in rounds_by_model.items())}: at least {args.rounds}, more "
+            f"where that gives about {args.timed_seconds:.0f} s of timed steps, at most {args.max_rounds}), "
             f"after {args.warmup} warm-up step(s) + step 0. "
             f"Spearman and errors over the autoshard plans that ran (modeled under the measured profile); "
             f"fastest over every configuration incl. torch DDP and FSDP2 (fully_shard per block, then the root). "
@@ -834,7 +862,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
             f"Whole run {wall_s / 60:.1f} min.{settle_note}{cnn_note}{quick}")
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
                               "models": {k: model_spec(k) for k in args.models.split(",")}, "rounds": args.rounds,
-                              "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
+                              "max_rounds": args.max_rounds, "timed_seconds": args.timed_seconds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,
@@ -854,7 +882,10 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per model, at least")
+    ap.add_argument("--max-rounds", type=int, default=24, help="interleaved rounds per model, at most")
+    ap.add_argument("--timed-seconds", type=float, default=60.0,
+                    help="timed steps per model last about this long (more rounds where steps are short)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration after step 0")
     ap.add_argument("--settle", type=int, default=1, help="untimed steps at the start of each configuration's turn")
@@ -874,6 +905,7 @@ def main() -> int:
     if args.quick:
         args.models = QUICK_MODEL if args.models == ",".join(MODELS) else args.models.split(",")[0]
         args.rounds, args.steps, args.settle, args.warmup, args.profile_iters = 1, 1, 1, 1, min(args.profile_iters, 10)
+        args.max_rounds = 1
     for key in args.models.split(","):
         try:
             model_spec(key)
