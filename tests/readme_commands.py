@@ -58,6 +58,7 @@ COMMANDS: dict[str, str] = {
     "python bench/solver_optimality.py": ARGS,       # 8 min with --reference-time-limit 60, hours with the default
     "python bench/solver_budget_sweep.py": ARGS,     # minutes of budgeted solves
     "python bench/runtime_speed.py": ARGS,           # minutes, two torchrun launches
+    "python bench/gpu_paths.py": ARGS,               # needs a GPU (one process; --device cpu: a dry run)
     "python bench/runtime_overhead.py": ARGS,        # interleaved timing rounds
     "python bench/compile_speed.py": ARGS,           # minutes: cold inductor compiles on 4 ranks
     "python bench/plan_fidelity.py": ARGS,           # ~15 min (its --quick smoke test measures a profile: minutes)
