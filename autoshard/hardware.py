@@ -14,7 +14,9 @@ Compute time comes from measurement where a profile has it and from the roofline
 forward and backward seconds of one op against its forward *work*: FLOPs as
 ``torch.utils.flop_counter.FlopCounterMode`` counts them (the count :mod:`autoshard.opinfo` profiles
 nodes with) for ``matmul`` (and ``matmul_unaligned``: a matmul whose tensors' rows are no whole
-multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` and ``attention``, bytes of the op's tensor inputs plus outputs for
+multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` (and ``conv_unaligned``: a
+convolution whose local input or output channels are no whole multiple of 16, which oneDNN runs
+outside its blocked layouts, several times slower on a CPU) and ``attention``, bytes of the op's tensor inputs plus outputs for
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
@@ -72,7 +74,8 @@ ELEMENTWISE_FUNCTIONS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu", "gelu_
 curve (on a CPU exp and tanh take 2-4 ns per element, SiLU and exact GELU 0.3, an add 0.1)."""
 
 COMPUTE_FAMILIES: Mapping[str, str] = {
-    "matmul": "FLOPs", "matmul_unaligned": "FLOPs", "conv": "FLOPs", "attention": "FLOPs", "pointwise": "bytes", "transcendental": "bytes",
+    "matmul": "FLOPs", "matmul_unaligned": "FLOPs", "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
+    "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes", "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""

@@ -338,7 +338,8 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 # pooling or the per-function elementwise curves had a curve prices them as matmuls, as arithmetic, as
 # a layer norm or by the transcendental median); every other family that is not free (views are)
 # goes by its bytes, as a pointwise op.
-_CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unaligned", "matmul"), "conv": ("conv", "matmul"), "attention": ("attention",),
+_CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unaligned", "matmul"), "conv": ("conv", "matmul"),
+                     "conv_unaligned": ("conv_unaligned", "conv", "matmul"), "attention": ("attention",),
                      "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise"),
                      "batch_norm": ("batch_norm", "norm"), "max_pool": ("max_pool", "pointwise"),
                      "avg_pool": ("avg_pool", "pointwise"),

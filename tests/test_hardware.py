@@ -209,7 +209,8 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, conv, attention, pointwise, transcendental, exp, log, tanh, "
+     r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, conv, conv_unaligned, attention, pointwise, "
+     r"transcendental, exp, log, tanh, "
      r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
@@ -354,6 +355,43 @@ def test_a_matmul_is_unaligned_where_its_local_shard_is():
     assert by_out_split[4].compute_fwd == pytest.approx(RATE["matmul_unaligned"] * flops / 4, rel=1e-9)
 
 
+def _conv(x, w):
+    return torch.nn.functional.conv2d(x, w, padding=1)
+
+
+@pytest.mark.parametrize("c_in, c_out, curve", [
+    (16, 32, "conv"), (3, 16, "conv_unaligned"), (16, 8, "conv_unaligned"), (24, 48, "conv_unaligned"),
+])
+def test_convs_with_channels_of_no_whole_16_use_their_own_curve_then_the_conv_one(c_in, c_out, curve):
+    """oneDNN runs a convolution whose channels are no whole multiple of 16 (a first layer's 3 colours)
+    outside its blocked layouts, several times slower: its own curve where the profile has one, else the
+    conv curve."""
+    args = [torch.randn(2, c_in, 8, 8, requires_grad=True), torch.randn(c_out, c_in, 3, 3, requires_grad=True)]
+    graph, node = _compute_node(_conv, args)
+    flops = 2 * 2 * c_out * 8 * 8 * c_in * 9
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+    assert rep.compute_fwd == pytest.approx(RATE[curve] * flops, rel=1e-9)
+    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "conv_unaligned"])
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
+    assert rep.compute_fwd == pytest.approx(RATE["conv"] * flops, rel=1e-9)
+
+
+def test_a_conv_is_unaligned_where_its_local_shard_is():
+    """Alignment is the shard's: 32 output channels split over 2 devices leave 16 (aligned), over 4
+    devices 8, which oneDNN runs outside its blocked layouts."""
+    args = [torch.randn(4, 32, 8, 8, requires_grad=True), torch.randn(32, 32, 3, 3, requires_grad=True)]
+    graph, node = _compute_node(_conv, args)
+    flops = 2 * 4 * 32 * 8 * 8 * 32 * 9
+    by_out_split = {}      # devices the out channels are split over -> the strategy splitting only them
+    for s in node_strategies(graph, node, MeshSpec((2, 2)), linear_in_work()):
+        out = s.output_specs[0]
+        if s.input_specs[0].is_replicated() and not out.partial and not out.dims[0] and not any(out.dims[2:]):
+            by_out_split[out.shard_factor(1, (2, 2))] = s
+    assert by_out_split[1].compute_fwd == pytest.approx(RATE["conv"] * flops, rel=1e-9)
+    assert by_out_split[2].compute_fwd == pytest.approx(RATE["conv"] * flops / 2, rel=1e-9)
+    assert by_out_split[4].compute_fwd == pytest.approx(RATE["conv_unaligned"] * flops / 4, rel=1e-9)
+
+
 @pytest.mark.parametrize("fn, curve", [
     (torch.tanh, "tanh"), (torch.exp, "exp"), (torch.sigmoid, "sigmoid"), (torch.nn.functional.silu, "silu"),
     (torch.nn.functional.gelu, "gelu"), (lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "gelu_tanh"),
@@ -427,9 +465,10 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 
 
 def test_cpu_gloo_carries_measured_compute():
-    """The shipped CPU profile is measured by `autoshard profile`."""
+    """The shipped CPU profile is measured by `autoshard profile` (before ``conv_unaligned`` was: its
+    unaligned convolutions go by ``conv``)."""
     hw = load_hardware("cpu-gloo")
-    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES)
+    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES) - {"conv_unaligned"}
     assert all(len(c.work) >= 5 for c in hw.compute["float32"].values())
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
@@ -439,10 +478,11 @@ def test_cpu_gloo_carries_measured_compute():
 @pytest.mark.parametrize("name", ["h100-nvlink", "h100-multinode"])
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
-    bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py)."""
+    bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
+    ``conv_unaligned``, added after that measurement (their unaligned convolutions go by ``conv``)."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}
-    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) for dt in hw.compute)
+    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - {"conv_unaligned"} for dt in hw.compute)
     assert hw.optimizer is not None and hw.overlap is None            # one GPU: no overlap to measure
     assert "H100" in hw.description and hw.extra["measured"]["backend"] == "nccl"
     bf16, fp32 = hw.compute["bfloat16"]["matmul"], hw.compute["float32"]["matmul"]

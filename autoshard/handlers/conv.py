@@ -125,6 +125,25 @@ def _conv_kernel(conv: _ConvArgs):
     return kernel
 
 
+CHANNEL_BLOCK = 16
+"""Channels per block of oneDNN's blocked convolution layouts: a convolution whose local input or
+output channels are no whole multiple of this runs outside them (on a CPU 3-10x slower per FLOP, a
+3 -> 32 channel weight gradient at 8-54 GFLOP/s, 16 -> 32 at 155-175) and is priced by the
+``conv_unaligned`` curve where the profile has one."""
+
+
+def _conv_curve(conv: _ConvArgs):
+    def curve(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]) -> str:
+        lay = _Layout(op, conv)
+        mesh_shape = op.mesh.shape
+        out_spec, out_shape = out_specs[0], op.out_shape
+        channels = (in_specs[lay.x].local_shape(op.shape(lay.x), mesh_shape)[lay.cdim],
+                    (out_shape if out_spec is None else out_spec.local_shape(out_shape, mesh_shape))[lay.cdim])
+        return "conv" if all(c % CHANNEL_BLOCK == 0 for c in channels) else "conv_unaligned"
+
+    return curve
+
+
 def _conv_namer(conv: _ConvArgs):
     def name(op: OpInfo, ins: Sequence[ShardSpec], outs: Sequence[ShardSpec | None],
              opts: Sequence[AxisOption]) -> str:
@@ -149,5 +168,5 @@ for _targets, _conv in (
      _CONV_T),
     ((aten.convolution.default,), _CONVOLUTION),
 ):
-    register(*_targets, family="conv", namer=_conv_namer(_conv), kernel=_conv_kernel(_conv),
-             doc=_DOC)(_conv_rules(_conv))
+    register(*_targets, family="conv", curve=_conv_curve(_conv), namer=_conv_namer(_conv),
+             kernel=_conv_kernel(_conv), doc=_DOC)(_conv_rules(_conv))

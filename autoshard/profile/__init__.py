@@ -22,7 +22,9 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
   ``matmul_unaligned`` (the same with out features + 1, rows of no whole multiple of 16 bytes, as an
   odd vocabulary makes them: a GPU runs them on slower kernels),
-  ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, from 4 channels on 16x16 to 64 on 64x64),
+  ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, 16 to 64 channels on 8x8 to 64x64 images),
+  ``conv_unaligned`` (the same with channel counts of no whole multiple of 16, 4 to 40: oneDNN runs
+  them outside its blocked layouts),
   ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
   at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), one curve for each
   of ``exp``, ``log``, ``tanh``, ``sigmoid``, ``silu``, ``gelu`` and ``gelu_tanh`` (their costs per byte are

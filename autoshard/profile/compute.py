@@ -67,8 +67,12 @@ MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (
 # the same with rows that are no whole multiple of 16 bytes (out features + 1; the chain alternates, so
 # in features too), as an odd vocabulary makes them: GPUs run these on slower kernels
 MATMUL_UNALIGNED_SHAPES = ((16, 64, 65), (64, 256, 257), (512, 512, 513), (1024, 768, 769), (2048, 768, 3073))
-CONV_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
-IMAGE_SHAPES = CONV_SHAPES      # pooling and batch norm: N, C, H, W
+IMAGE_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
+# convolutions: channel counts that are whole multiples of 16 (oneDNN's blocked layouts), and the same
+# sizes with counts that are not (a first layer's 3 colours, a 16-channel layer split over 2 or 4
+# devices), which oneDNN runs outside those layouts
+CONV_SHAPES = ((1, 16, 8, 8), (2, 16, 16, 16), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))
+CONV_UNALIGNED_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 12, 64, 64), (4, 24, 64, 64), (8, 40, 64, 64))
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
                     (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
@@ -76,6 +80,7 @@ NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384,
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "matmul_unaligned": ((4096, 4096, 4097), (8192, 768, 50257)), "conv": ((32, 256, 56, 56),),
+              "conv_unaligned": ((32, 200, 56, 56),),
               "attention": ((8, 16, 2048, 128),), "pointwise": (33554432,), "transcendental": (33554432,),
               "norm": ((65536, 4096),), "loss": ((8192, 131072),),
               "batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
@@ -198,6 +203,7 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "matmul": (MATMUL_SHAPES, (_linear,)),
     "matmul_unaligned": (MATMUL_UNALIGNED_SHAPES, (_linear,)),
     "conv": (CONV_SHAPES, (_conv2d,)),
+    "conv_unaligned": (CONV_UNALIGNED_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
     "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul))),
     "transcendental": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu),
