@@ -16,7 +16,7 @@ forward and backward seconds of one op against its forward *work*: FLOPs as
 nodes with) for ``matmul`` (and ``matmul_unaligned``: a matmul whose tensors' rows are no whole
 multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` (and ``conv_unaligned``: a
 convolution whose local input or output channels are no whole multiple of 16, which oneDNN runs
-outside its blocked layouts, several times slower on a CPU) and ``attention``, bytes of the op's tensor inputs plus outputs for
+outside its blocked layouts, slower per FLOP on a CPU) and ``attention``, bytes of the op's tensor inputs plus outputs for
 ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their

@@ -127,9 +127,10 @@ def _conv_kernel(conv: _ConvArgs):
 
 CHANNEL_BLOCK = 16
 """Channels per block of oneDNN's blocked convolution layouts: a convolution whose local input or
-output channels are no whole multiple of this runs outside them (on a CPU 3-10x slower per FLOP, a
-3 -> 32 channel weight gradient at 8-54 GFLOP/s, 16 -> 32 at 155-175) and is priced by the
-``conv_unaligned`` curve where the profile has one."""
+output channels are no whole multiple of this runs outside them, slower per FLOP (4 CPU ranks: C -> C
+convs at 40-62 GFLOP/s forward against 58-101 aligned; one process: a 3 -> 32 channel weight gradient
+at 8-54 GFLOP/s, 16 -> 32 at 155-175), and is priced by the ``conv_unaligned`` curve where the
+profile has one."""
 
 
 def _conv_curve(conv: _ConvArgs):
