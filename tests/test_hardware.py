@@ -318,6 +318,17 @@ def test_compute_uses_the_curve_of_the_family_and_the_local_work():
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
 
 
+def _priced_by_its_curve_else(fn, args, flops: float, curve: str, own: str, fallback: str) -> None:
+    """``fn(*args)`` on one device is priced by ``curve``; on a profile without the ``own`` curve
+    (measured before it existed), by ``fallback``."""
+    graph, node = _compute_node(fn, args)
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+    assert rep.compute_fwd == pytest.approx(RATE[curve] * flops, rel=1e-9)
+    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != own])
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
+    assert rep.compute_fwd == pytest.approx(RATE[fallback] * flops, rel=1e-9)
+
+
 @pytest.mark.parametrize("fn, shapes, curve", [
     (torch.nn.functional.linear, ((64, 32), (48, 32)), "matmul"),
     (torch.nn.functional.linear, ((64, 32), (50, 32)), "matmul_unaligned"),     # out rows of 200 bytes
@@ -330,13 +341,8 @@ def test_matmuls_with_rows_of_no_whole_16_bytes_use_their_own_curve_then_the_mat
     """A GPU runs a matmul whose rows are no whole multiple of 16 bytes (GPT-2's 50257-word LM head) on
     slower kernels: its own curve where the profile has one, else the matmul curve."""
     args = [torch.randn(*s, requires_grad=True) for s in shapes]
-    graph, node = _compute_node(fn, args)
     flops = 2 * math.prod(shapes[0]) * shapes[1][-2 if fn is torch.nn.functional.linear else -1]
-    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
-    assert rep.compute_fwd == pytest.approx(RATE[curve] * flops, rel=1e-9)
-    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "matmul_unaligned"])
-    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
-    assert rep.compute_fwd == pytest.approx(RATE["matmul"] * flops, rel=1e-9)
+    _priced_by_its_curve_else(fn, args, flops, curve, own="matmul_unaligned", fallback="matmul")
 
 
 def test_a_matmul_is_unaligned_where_its_local_shard_is():
@@ -364,16 +370,11 @@ def _conv(x, w):
 ])
 def test_convs_with_channels_of_no_whole_16_use_their_own_curve_then_the_conv_one(c_in, c_out, curve):
     """oneDNN runs a convolution whose channels are no whole multiple of 16 (a first layer's 3 colours)
-    outside its blocked layouts, several times slower: its own curve where the profile has one, else the
+    outside its blocked layouts, slower per FLOP: its own curve where the profile has one, else the
     conv curve."""
     args = [torch.randn(2, c_in, 8, 8, requires_grad=True), torch.randn(c_out, c_in, 3, 3, requires_grad=True)]
-    graph, node = _compute_node(_conv, args)
     flops = 2 * 2 * c_out * 8 * 8 * c_in * 9
-    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
-    assert rep.compute_fwd == pytest.approx(RATE[curve] * flops, rel=1e-9)
-    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if f != "conv_unaligned"])
-    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
-    assert rep.compute_fwd == pytest.approx(RATE["conv"] * flops, rel=1e-9)
+    _priced_by_its_curve_else(_conv, args, flops, curve, own="conv_unaligned", fallback="conv")
 
 
 def test_a_conv_is_unaligned_where_its_local_shard_is():
