@@ -369,3 +369,27 @@ def test_the_smallest_feasible_budget_named_by_the_error_plans():
     assert plan.memory["bound"] <= need
     with pytest.raises(InfeasibleBudgetError):
         autoshard.plan(model, (x,), mesh=(2, 2), hardware="cpu-gloo", memory_budget=int(plan.memory["bound"]) - 1)
+
+
+def test_recompute_pays_again_the_resharding_inside_the_segment():
+    """The runtime reshards an operand where its consumer runs, inside the consumer's checkpoint
+    region: a recomputed block runs its forward resharding again (the plan lists those collectives
+    in phase 'recompute'), and the model prices exactly that on top of the nodes' forward."""
+    from autoshard.solver.baselines import solve_baseline
+    from autoshard.solver.evaluate import param_gathers
+    from autoshard.solver.formulation import forward_time
+    cg = _cost_graph("gpt2-tiny", (2, 2), num_layers=2, batch=8, seq=32)
+    choice = solve_baseline(cg, "megatron", SolverOptions(fixed_decision="keep")).solution.choice
+    segments = memory_segments(cg)
+    gathered = param_gathers(cg, choice).uses
+    resharded = 0.0
+    for seg in segments:
+        for e in seg.rerun_edges:
+            assert e.dst in seg.nodes
+            if (e.dst_member, e.operand) not in gathered:
+                resharded += float(e.fwd[e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]])
+    assert resharded > 0                 # tensor parallelism reshards inside every block
+    forward = sum(forward_time(cg.nodes[n].costs)[choice[n]] for seg in segments for n in seg.nodes)
+    keep, _ = predict(cg, choice, {seg.name: "keep" for seg in segments}, SolverOptions())
+    again, _ = predict(cg, choice, {seg.name: "recompute" for seg in segments}, SolverOptions())
+    assert again.recompute - keep.recompute == pytest.approx(forward + resharded, rel=1e-9)

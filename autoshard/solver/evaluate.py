@@ -18,6 +18,7 @@ from ..specs import replicated_axes
 from ..strategy import BWD, Strategy
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .formulation import backward_time, forward_time
+from .memory_model import rerun_cost
 from .param_edges import chosen_param_edges
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, memory_segments, post_segment_nodes
@@ -66,7 +67,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     for seg in memory_segments(cg):
         held_before = mem.activations
         dec = decisions.get(seg.name, Decision.KEEP)
-        rebuilt = _segment_prediction(cg, seg, dec, choice, t, mem)
+        rebuilt = _segment_prediction(cg, seg, dec, choice, t, mem, gathers)
         per_segment.append((mem.activations - held_before, rebuilt))
     live = nonsegmented - mem.post_segment           # held until the end of backward
     rebuilds = []
@@ -89,7 +90,22 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     param_edges = chosen_param_edges(cg, choice)
     return (t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
-            + per_edge - grouped + param_edges.seconds - param_edges.replaced)
+            + per_edge - grouped + param_edges.seconds - param_edges.replaced
+            + _rerun_as_priced(cg, choice, decisions, gathers))
+
+
+def _rerun_as_priced(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
+                     gathers: ParamGathers) -> float:
+    """What the ILP's resharding re-run by recomputed segments (:func:`~.memory_model.rerun_cost`:
+    every gatherable parameter pair taken as gathered) differs by from what :func:`predict` counts
+    (the parameters the runtime gathers, ``gathers``)."""
+    out = 0.0
+    for seg in memory_segments(cg):
+        decision = decisions.get(seg.name, Decision.KEEP)
+        priced = sum(float(rerun_cost(cg, e)[e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]])
+                     for e in seg.rerun_edges_for(decision))
+        out += priced - rerun_reshard_seconds(seg, decision, choice, gathers)
+    return out
 
 
 def _edge_seconds(e: CGEdge, choice: dict[str, int]) -> float:
@@ -237,9 +253,11 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
 
 
 def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],
-                        t: TimePrediction, mem: MemoryPrediction) -> float:
+                        t: TimePrediction, mem: MemoryPrediction, gathers: ParamGathers) -> float:
     """Add one segment's held activations and time under decision ``dec`` to ``t`` and ``mem``;
-    returns the bytes its backward brings back (recomputed or restored), 0 when none."""
+    returns the bytes its backward brings back (recomputed or restored), 0 when none. A recomputed
+    (or partitioned) segment runs its nodes' forward again, with the resharding of every operand
+    read inside it (``gathers``: the parameters gathered per block, before the region, are not)."""
     mesh_shape, hw = cg.mesh.shape, cg.hardware
     A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
     if dec == Decision.KEEP:
@@ -252,7 +270,7 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         run_saved = [_at(run.saved, choice) for run in seg.runs]
         mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
         mem.working_set = max(mem.working_set, *run_saved)
-        t.recompute += sum(_at(run.fwd, choice) for run in seg.runs)
+        t.recompute += sum(_at(run.fwd, choice) for run in seg.runs) + rerun_reshard_seconds(seg, dec, choice, gathers)
         return max(run_saved)
     if dec == Decision.OFFLOAD and not hw.device_memory_separate:
         mem.activations += A               # host memory is device memory: nothing freed
@@ -260,6 +278,7 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         return 0.0
     F = sum(forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
     mem.working_set = max(mem.working_set, A)
+    F += rerun_reshard_seconds(seg, dec, choice, gathers)
     if dec == Decision.OFFLOAD:
         B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
         bw = hw.host_device_bandwidth
@@ -282,6 +301,15 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
     else:
         raise ValueError(f"segment {seg.name!r}: unknown memory decision {dec!r}; use one of {', '.join(DECISIONS)}")
     return A
+
+
+def rerun_reshard_seconds(seg: MemorySegment, decision: str, choice: dict[str, int],
+                          gathers: ParamGathers) -> float:
+    """Seconds of the forward resharding that ``seg`` runs again in backward under ``decision``
+    (:meth:`~.segments.MemorySegment.rerun_edges_for`) and ``choice``; the parameters the runtime
+    gathers per block (``gathers``) are gathered before the region, once."""
+    return sum(float(e.fwd[e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]])
+               for e in seg.rerun_edges_for(decision) if (e.dst_member, e.operand) not in gathers.uses)
 
 
 def _at(per_node: dict[str, np.ndarray], choice: dict[str, int]) -> float:

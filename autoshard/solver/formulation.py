@@ -57,7 +57,7 @@ class Model:
         self.prob = pulp.LpProblem("autoshard", sense)
         self.x: dict[str, list] = {}              # group key -> list of binaries (or None if fixed)
         self.group_of: dict[str, str] = {}        # CGNode name -> group key
-        self.param_prices = param_edge_prices(cg)  # id(edge) -> ParamEdgePrice
+        self.param_prices = cg.derived("param_edge_prices", lambda: param_edge_prices(cg))  # id(edge) -> price
         self.pairs: dict[int, dict[tuple[int, int], object]] = {}   # id(edge) -> (a, b) -> expression
         self.M = memory_unit(float(options.memory_budget) if options.memory_budget else _memory_scale(cg))
         self._n = 0

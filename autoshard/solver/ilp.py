@@ -14,7 +14,9 @@ Variables
                the block sequence in READOUT_ORDER, which lowers the real peak below the bound).
 Objective (seconds per training step): node compute + collectives, resharding on edges (out of
   parameters as :mod:`.param_edges` prices them: a parameter the runtime gathers with its block
-  pays bandwidth per edge and the collectives' latency once per block), recomputation (the segment's forward again, or its runs' forward when selective), offload transfers that the segment's compute
+  pays bandwidth per edge and the collectives' latency once per block), recomputation (the segment's forward again, or its runs' forward when selective, with the
+  resharding of every operand read inside them: the runtime reshards where the consumer runs, inside
+  its checkpoint region; the count x edge-pair products are exact at integer points), offload transfers that the segment's compute
   cannot hide, and the all-gather of partitioned checkpoints.
 Memory (bytes per device): static = parameters + gradients + optimizer state + the copies of
   parameters read larger than stored (gathered), held until backward; activations (held

@@ -18,7 +18,8 @@ from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..specs import replicated_axes
 from .costgraph import CGEdge, CostGraph
-from .formulation import T, Model, forward_time, held_param_copies
+from .formulation import T, Model, forward_time, held_param_copies, weighted_sum
+from .param_edges import param_edge_prices
 from .results import SolverOptions
 from .segments import MemorySegment, memory_segments, post_segment_nodes
 
@@ -269,6 +270,7 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
             held, rec = prods[k]
             memory.append(held)
             time_terms.append(rec)
+    time_terms += _rerun_reshard_terms(m, segs[0], counts, n)
     resident = {Decision.KEEP, Decision.SELECTIVE}   # decisions that bring no whole segment back in backward
     if Decision.OFFLOAD in counts:
         per_unit = m.M / m.cg.hardware.host_device_bandwidth * T     # microseconds to move one memory unit
@@ -297,6 +299,54 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
             bounds.append((u, run))
             m.prob += working >= _products(m, u, 1, [run])[0]
     return counts, memory, time_terms, bounds, f
+
+
+def rerun_cost(cg: CostGraph, edge: CGEdge) -> np.ndarray:
+    """Seconds of the forward resharding of ``edge`` over its (src spec, dst spec) grid, as the ILP
+    prices running it again in a recomputed segment: pairs that read a parameter gatherable per
+    block cost nothing there (the runtime gathers before the region, once)."""
+    representative = cg.derived("edge_representatives", lambda: {
+        id(e): eg.edge for eg in cg.edge_groups() for e in eg.edges})
+    e = representative[id(edge)]
+    price = cg.derived("param_edge_prices", lambda: param_edge_prices(cg)).get(id(e))
+    cost = np.asarray(e.fwd, dtype=float)
+    if price is not None:
+        cost = np.where(price.gather_axes != None, 0.0, cost)  # noqa: E711 (object array)
+    return cost
+
+
+def _rerun_reshard_terms(m: Model, seg: MemorySegment, counts: dict, n: int) -> list:
+    """The forward resharding ``seg`` runs again in backward (priced by :func:`rerun_cost`), once
+    per segment of the class whose decision re-runs it (:meth:`~.segments.MemorySegment.rerun_edges_for`):
+    per edge, ``count * sum_ab cost[a, b] * pair(a, b)`` with ``count`` the number of such segments,
+    exact at integer points: K[a, b] stands for count * pair(a, b), with sum_ab K = count and
+    K[a, b] <= n * pair(a, b) (pairs that cost nothing share one K)."""
+    per_edge: dict[int, tuple[CGEdge, list]] = {}
+    for k in (Decision.RECOMPUTE, Decision.PARTITIONED, Decision.SELECTIVE):
+        if k in counts:
+            for e in seg.rerun_edges_for(k):
+                per_edge.setdefault(id(e), (e, []))[1].append(counts[k])
+    terms = []
+    for edge, rerun in per_edge.values():
+        cost = rerun_cost(m.cg, edge) * T
+        if not np.any(cost):
+            continue
+        e = m.cg.derived("edge_representatives", dict)[id(edge)]
+        grid = [(int(a), int(b)) for a in range(cost.shape[0]) for b in range(cost.shape[1])]
+        if not any(isinstance(c, pulp.LpVariable) for c in rerun):
+            mult = float(sum(rerun))
+            terms.append(weighted_sum((m.pair(e, a, b), mult * float(cost[a, b])) for a, b in grid if cost[a, b]))
+            continue
+        ks = {(a, b): m.var(0, n, name="R") for a, b in grid if cost[a, b] > 0}
+        free = [(a, b) for a, b in grid if cost[a, b] <= 0]
+        rest = m.var(0, n, name="R") if free else 0.0
+        m.prob += pulp.lpSum(ks.values()) + rest == pulp.lpSum(rerun)
+        for (a, b), k in ks.items():
+            m.prob += k <= n * m.pair(e, a, b)
+        if free:
+            m.prob += rest <= n * pulp.lpSum(m.pair(e, a, b) for a, b in free)
+        terms.append(pulp.lpSum(float(cost[a, b]) * k for (a, b), k in ks.items()))
+    return terms
 
 
 def _indicator(m: Model, counts: dict, n: int, decisions: list[str]):

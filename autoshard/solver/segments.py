@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..decisions import Decision
 from .costgraph import CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
 
@@ -20,11 +21,25 @@ class MemorySegment:
     saved: np.ndarray | None = None
     ckpt_edges: list[CGEdge] = field(default_factory=list)
     runs: list[RecomputeRun] = field(default_factory=list)    # what 'selective' recomputes
+    rerun_edges: list[CGEdge] = field(default_factory=list)   # into its nodes: resharded inside it
+
+    def rerun_edges_for(self, decision: str) -> list[CGEdge]:
+        """The edges whose forward resharding runs again in backward under ``decision``: every edge
+        into the segment when it is recomputed or partitioned, the edges into its runs when it is
+        selective, none otherwise."""
+        if decision in (Decision.RECOMPUTE, Decision.PARTITIONED):
+            return self.rerun_edges
+        if decision == Decision.SELECTIVE:
+            members = {n for run in self.runs for n in run.nodes}
+            return [e for e in self.rerun_edges if e.dst_member in members]
+        return []
 
 
 def memory_segments(cg: CostGraph) -> list[MemorySegment]:
     """The segments that get a memory decision, with the edges whose tensors a checkpoint stores
-    (inputs from outside the segment that are not parameters and not shared by several segments)
+    (inputs from outside the segment that are not parameters and not shared by several segments),
+    the edges into its nodes (the runtime reshards an operand where its consumer runs, inside the
+    consumer's checkpoint region, so recomputing the segment runs their forward resharding again)
     and the runs a selective recomputation re-runs (:func:`~.selective.recompute_runs`). Computed
     once per cost graph (the ILP, every ``predict`` and the plan builder read them); treat as read-only."""
     return cg.derived("memory_segments", lambda: _memory_segments(cg))
@@ -43,6 +58,8 @@ def _memory_segments(cg: CostGraph) -> list[MemorySegment]:
     seen: set = set()
     for e in cg.edges:
         src, dst = cg.nodes[e.src], cg.nodes[e.dst]
+        if dst.segment is not None and dst.kind == "call_function":
+            by_seg[dst.segment].rerun_edges.append(e)
         if dst.segment is None or src.segment == dst.segment or src.kind == "placeholder" and not _is_input(cg, src):
             continue
         key = (e.src, e.src_member, e.src_output)
