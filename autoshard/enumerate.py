@@ -32,6 +32,7 @@ class NodeStrategies:
     strategies: list[Strategy]
     operand_nodes: list[str]
     fallback: bool = False       # replicated only because fallback="replicate" was asked for
+    hooked: int = 0              # tensors its forward saves for backward (through saved-tensor hooks)
 
     def __iter__(self) -> Iterator[Strategy]:
         return iter(self.strategies)
@@ -161,7 +162,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
         if cache is not None:
             cache[key] = strategies
     return NodeStrategies(node.name, op_name(node.target), path, strategies,
-                          [n.name for n in op.operand_nodes], fallback=is_fallback)
+                          [n.name for n in op.operand_nodes], fallback=is_fallback, hooked=op.profile().hooked)
 
 
 def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:

@@ -27,7 +27,12 @@ work; ``bwd`` is the time of the op's backward (the gradients of all its float i
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
 keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
 time with work at the largest point's rate. ``optimizer`` prices an AdamW step (torch's default
-implementation for the device) as ``n_tensors * per_tensor + bytes * per_byte``; ``overlap`` is the
+implementation for the device) as ``n_tensors * per_tensor + bytes * per_byte``; ``checkpoint``
+prices what a region under ``torch.utils.checkpoint`` (non-reentrant, as the runtime runs a recomputed
+segment) costs beyond running its forward again, ``per_region + saved tensors * per_saved_tensor``
+(its hooks pack every tensor the forward saves, and backward unpacks them around the recomputation;
+on 4 CPU ranks sharing 2 cores ~0.2 ms per region and ~20 us per saved tensor, a third of a small
+transformer block's forward); ``overlap`` is the
 measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
@@ -37,6 +42,7 @@ memory_bandwidth)``.
         matmul: {work: [1.3e5, ...], fwd: [2.1e-5, ...], bwd: [4.0e-5, ...]}   # FLOPs -> seconds
         pointwise: {work: [4096, ...], fwd: [...], bwd: [...]}                  # bytes -> seconds
     optimizer: {per_tensor: 2.0e-5, per_byte: 1.5e-10}
+    checkpoint: {per_region: 2.0e-4, per_saved_tensor: 1.7e-5}
     overlap: 0.35
 """
 from __future__ import annotations
@@ -121,6 +127,18 @@ class OptimizerModel:
 
 
 @dataclass(frozen=True)
+class CheckpointModel:
+    """Seconds one checkpointed region adds beyond its recomputed forward:
+    ``per_region + n_saved * per_saved_tensor`` (``n_saved``: tensors its forward saves for backward)."""
+
+    per_region: float        # seconds per region (entering the checkpoint, starting its recomputation)
+    per_saved_tensor: float  # seconds per saved tensor (packed in forward, unpacked in backward)
+
+    def seconds(self, n_saved: int) -> float:
+        return self.per_region + n_saved * self.per_saved_tensor
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     axes: tuple[LinkModel, LinkModel]
@@ -133,6 +151,7 @@ class HardwareProfile:
     extra: Mapping[str, object] = field(default_factory=dict)
     compute: Mapping[str, Mapping[str, ComputeCurve]] = field(default_factory=dict)  # dtype -> family
     optimizer: OptimizerModel | None = None  # measured optimizer step, None: not measured
+    checkpoint: CheckpointModel | None = None  # measured checkpoint overhead, None: not measured
     overlap: float | None = None             # fraction of an async all-reduce hidden by compute
     world: LinkModel | None = None           # measured ring over all devices at once (what a
                                              # collective over both mesh axes runs on); None: derived
@@ -166,6 +185,11 @@ class HardwareProfile:
         """Measured seconds of an optimizer step over ``n_tensors`` parameters of ``nbytes`` in all;
         None when not measured."""
         return None if self.optimizer is None else self.optimizer.seconds(n_tensors, nbytes)
+
+    def checkpoint_seconds(self, n_saved: int) -> float:
+        """Measured seconds one checkpointed region whose forward saves ``n_saved`` tensors adds beyond
+        its recomputed forward; 0 when not measured (the shipped GPU profiles)."""
+        return 0.0 if self.checkpoint is None else self.checkpoint.seconds(n_saved)
 
     def copy_pricing_key(self, dtype: str | None) -> tuple:
         """Everything :meth:`copy_seconds` reads for ``dtype`` (a cache key for prices built on it)."""
@@ -256,6 +280,7 @@ class HardwareProfile:
                 extra=dict(extra),
                 compute=_compute(d),
                 optimizer=_optimizer(d),
+                checkpoint=_checkpoint(d),
                 overlap=_overlap(d),
                 world=_world(d),
                 kinds=_kinds(d),
@@ -279,6 +304,9 @@ class HardwareProfile:
                if self.compute else {}),
             **({"optimizer": {"per_tensor": self.optimizer.per_tensor, "per_byte": self.optimizer.per_byte}}
                if self.optimizer is not None else {}),
+            **({"checkpoint": {"per_region": self.checkpoint.per_region,
+                               "per_saved_tensor": self.checkpoint.per_saved_tensor}}
+               if self.checkpoint is not None else {}),
             **({"overlap": self.overlap} if self.overlap is not None else {}),
             **({"world": {"alpha": self.world.alpha, "beta": self.world.beta}} if self.world is not None else {}),
             **({"kinds": {kind: {g: {"alpha": link.alpha, "beta": link.beta} for g, link in groups.items()}
@@ -443,6 +471,15 @@ def _optimizer(d: Mapping) -> OptimizerModel | None:
         raise HardwareError(f"hardware profile {d.get('name', '?')!r}: optimizer.per_tensor and "
                             f"optimizer.per_byte are both 0 (an optimizer step would cost nothing)")
     return model
+
+
+def _checkpoint(d: Mapping) -> CheckpointModel | None:
+    ck = _section(d, "checkpoint", {"per_region": "seconds per region", "per_saved_tensor": "seconds per saved tensor"})
+    if ck is None:
+        return None
+    return CheckpointModel(_number(d, "checkpoint.per_region", ck["per_region"], "seconds per region", zero=True),
+                           _number(d, "checkpoint.per_saved_tensor", ck["per_saved_tensor"],
+                                   "seconds per saved tensor", zero=True))
 
 
 def _overlap(d: Mapping) -> float | None:

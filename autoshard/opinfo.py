@@ -43,6 +43,7 @@ class OpProfile:
     fwd_flops: float
     bwd_flops: float
     saved: tuple[SavedTensor, ...]
+    hooked: int = 0      # tensors the forward hands to autograd's saved-tensor hooks (a checkpoint packs each)
 
 
 ZERO_PROFILE = OpProfile(0.0, 0.0, ())
@@ -345,7 +346,7 @@ def _measure(key: _ProfileKey) -> OpProfile:
     if op.target is torch.ops.aten.scaled_dot_product_attention.default:
         saved, outs, casts = _fused_attention_saved(args, kwargs, saved, outs)
     return OpProfile(float(fwd_counter.get_total_flops()), bwd_flops,
-                     tuple(_classify_saved(saved, inputs, outs, casts)))
+                     tuple(_classify_saved(saved, inputs, outs, casts)), len(saved))
 
 
 def _written_operands(op: OpInfo) -> set[int]:

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import yaml
 import torch
 
 from autoshard.capture import capture
@@ -13,6 +14,7 @@ from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ELEMENTWISE_FUNCTI
                                 HardwareProfile, OptimizerModel, load_hardware)
 from autoshard.mesh import MeshSpec
 from autoshard.profile import COMPUTE_OPS, ProfileError, fit_alpha_beta, fit_optimizer, op_work, overlap_fraction
+from autoshard.profile.fitting import fit_checkpoint
 
 PROFILES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -245,6 +247,33 @@ def test_fit_optimizer_recovers_exact_coefficients_and_keeps_them_non_negative()
     assert model.per_byte == 0.0 and model.per_tensor == pytest.approx(1e-4, rel=1e-9)
     with pytest.raises(ProfileError, match="two or more positive"):
         fit_optimizer([1], [1e3], [1e-4])
+
+
+def test_fit_checkpoint_recovers_per_region_and_per_saved_tensor():
+    saved = [3.0, 12.0, 48.0]
+    model = fit_checkpoint(saved, [2e-4 + k * 1.5e-5 for k in saved])
+    assert model.per_region == pytest.approx(2e-4, rel=1e-9) and model.per_saved_tensor == pytest.approx(1.5e-5, rel=1e-9)
+    # a chain whose overhead measured 0 (noise) weighs as the smallest positive one, not as zero
+    model = fit_checkpoint(saved, [0.0, 4e-4, 1e-3])
+    assert model.per_region >= 0 and model.per_saved_tensor > 0
+    with pytest.raises(ProfileError, match="some positive"):
+        fit_checkpoint(saved, [0.0, 0.0, 0.0])
+
+
+def test_checkpoint_overhead_round_trips_and_is_zero_where_not_measured(tmp_path):
+    hw = load_hardware("cpu-gloo")
+    assert hw.checkpoint is None and hw.checkpoint_seconds(30) == 0.0
+    d = hw.to_dict()
+    d["checkpoint"] = {"per_region": 2e-4, "per_saved_tensor": 1.5e-5}
+    path = tmp_path / "ck.yaml"
+    path.write_text(yaml.safe_dump(d))
+    loaded = load_hardware(str(path))
+    assert loaded.checkpoint_seconds(30) == pytest.approx(2e-4 + 30 * 1.5e-5)
+    assert load_hardware(str(path)).to_dict()["checkpoint"] == d["checkpoint"]
+    d["checkpoint"] = {"per_region": 2e-4}
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(HardwareError, match="checkpoint must have exactly the keys"):
+        load_hardware(str(path))
 
 
 def test_overlap_fraction():

@@ -122,8 +122,15 @@ def _fix_assignment(m, handles, choice, decisions):
                 v.lowBound = v.upBound = sum(decisions[n] == k for n in names)
 
 
+def _with_checkpoint_overhead(name):
+    """A profile that prices the checkpoint machinery (as `autoshard profile` measures it)."""
+    import dataclasses
+    from autoshard.hardware import CheckpointModel, load_hardware
+    return dataclasses.replace(load_hardware(name), checkpoint=CheckpointModel(2.5e-4, 3e-5))
+
+
 @pytest.mark.parametrize("alias", [True, False])
-@pytest.mark.parametrize("hardware", ["a100-nvlink", "cpu-gloo"])
+@pytest.mark.parametrize("hardware", ["a100-nvlink", "cpu-gloo", "cpu-gloo+checkpoint"])
 def test_formulation_is_exact_at_random_assignments(alias, hardware):
     """Every (strategies, decisions) point is feasible in the model exactly when its predicted peak
     fits the budget, at the predicted step time: the count/product linearisation and the working-set
@@ -135,11 +142,12 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
     import pulp
     from autoshard.solver.ilp import T, _build, _value, memory_segments
     from autoshard.solver.memory_model import _allowed_decisions
-    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hardware, alias=alias, num_layers=3, batch=8, seq=32, n_embd=64)
+    profile = _with_checkpoint_overhead("cpu-gloo") if hardware.endswith("+checkpoint") else hardware
+    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=profile, alias=alias, num_layers=3, batch=8, seq=32, n_embd=64)
     rng = random.Random(0)
     allowed = _allowed_decisions(SolverOptions(), cg.hardware.device_memory_separate)
     options = {seg.name: [d for d in allowed if d != "selective" or seg.runs] for seg in memory_segments(cg)}
-    assert ("selective" in options["transformer.h.0"]) == (hardware == "cpu-gloo")
+    assert ("selective" in options["transformer.h.0"]) == hardware.startswith("cpu-gloo")
     drawn = set()
     for trial in range(6):
         choice = {}
@@ -162,7 +170,7 @@ def test_formulation_is_exact_at_random_assignments(alias, hardware):
                 peak = max(_value(p) for p in handles["peaks"]) * m.M
                 assert mem.bound * (1 - 1e-9) <= peak <= mem.bound * slack * (1 + 1e-9)
                 assert mem.peak <= mem.bound * (1 + 1e-12)
-    assert drawn == set(allowed) - ({"selective"} if hardware != "cpu-gloo" else set())
+    assert drawn == set(allowed) - ({"selective"} if not hardware.startswith("cpu-gloo") else set())
 
 
 def test_counts_readout_matches_the_objective():
@@ -393,3 +401,23 @@ def test_recompute_pays_again_the_resharding_inside_the_segment():
     keep, _ = predict(cg, choice, {seg.name: "keep" for seg in segments}, SolverOptions())
     again, _ = predict(cg, choice, {seg.name: "recompute" for seg in segments}, SolverOptions())
     assert again.recompute - keep.recompute == pytest.approx(forward + resharded, rel=1e-9)
+
+
+def test_recompute_pays_the_checkpoint_machinery_where_the_profile_measured_it():
+    """A recomputed segment adds one region and its forward's saved tensors at the profile's
+    checkpoint price; a selective one a region per run; nothing where the profile has no measurement."""
+    from autoshard.solver.baselines import solve_baseline
+    hw = _with_checkpoint_overhead("cpu-gloo")
+    cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hw, num_layers=2, batch=8, seq=32, n_embd=64)
+    plain = _cost_graph("gpt2-tiny", (2, 2), hardware="cpu-gloo", num_layers=2, batch=8, seq=32, n_embd=64)
+    segments = memory_segments(cg)
+    assert all(seg.hooked > 10 and seg.run_hooked for seg in segments)   # a block saves dozens of tensors
+    for graph, overhead in ((cg, lambda s, d: hw.checkpoint_seconds(s.hooked) if d == "recompute" else
+                             sum(hw.checkpoint_seconds(n) for n in s.run_hooked)), (plain, lambda s, d: 0.0)):
+        choice = solve_baseline(graph, "data_parallel", SolverOptions(fixed_decision="keep")).solution.choice
+        base, _ = predict(graph, choice, {seg.name: "keep" for seg in segments}, SolverOptions())
+        for decision in ("recompute", "selective"):
+            reference, _ = predict(plain, choice, {seg.name: decision for seg in segments}, SolverOptions())
+            t, _ = predict(graph, choice, {seg.name: decision for seg in segments}, SolverOptions())
+            assert t.recompute - reference.recompute == pytest.approx(
+                sum(overhead(seg, decision) for seg in segments), rel=1e-9, abs=1e-12)

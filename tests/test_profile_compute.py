@@ -84,3 +84,20 @@ def test_optimizer_is_timed_on_larger_lists_on_a_gpu():
     cuda = compute.optimizer_params(torch.device("cuda"))
     assert cuda[:len(compute.OPTIMIZER_PARAMS)] == compute.OPTIMIZER_PARAMS
     assert max(n * numel for n, numel in cuda) * 4 >= 2**30          # a GPU's rate per byte shows from ~100 MB
+
+
+def test_checkpoint_overhead_is_what_a_checkpointed_chain_adds_beyond_one_more_forward(monkeypatch):
+    """Per chain: the checkpointed forward + backward less the plain one less one more forward,
+    against the tensors the chain's forward saves (2 per linear without bias, 1 per tanh)."""
+    timings = iter([2.0, 5.0, 1.0, 2.0, 2.5, 1.0, 4.0, 9.0, 2.0])    # (plain, checkpointed, forward) x 3
+    ran = []
+
+    def fake_median_time(fn, *args, **kwargs):
+        ran.append(fn())
+        return next(timings)
+
+    monkeypatch.setattr(compute, "_median_time", fake_median_time)
+    out = compute._measure_checkpoint(torch.device("cpu"), iters=3)
+    assert out["checkpoint.saved"] == [3.0 * n for n in compute.CHECKPOINT_CHAINS]
+    assert out["checkpoint.seconds"] == [2.0, 0.0, 3.0]      # noise below zero is held at zero
+    assert len(ran) == 9

@@ -381,6 +381,47 @@ def optimizer_params(device: torch.device) -> tuple[tuple[int, int], ...]:
     return OPTIMIZER_PARAMS + (CUDA_OPTIMIZER_PARAMS if device.type == "cuda" else ())
 
 
+CHECKPOINT_CHAINS = (1, 4, 16)
+"""Checkpointed chains timed: this many (linear, tanh) pairs in one region (3 saved tensors each)."""
+_CHECKPOINT_SHAPE = (16, 64)        # rows x features: small, so the machinery shows beside the ops
+
+
+def _measure_checkpoint(device: torch.device, iters: int) -> dict[str, list[float]]:
+    """What ``torch.utils.checkpoint`` (non-reentrant, as the runtime runs a recomputed segment) adds
+    to a training step beyond running the region's forward again: per chain of :data:`CHECKPOINT_CHAINS`
+    (linear, tanh) pairs, checkpointed forward + backward less plain forward + backward less one more
+    forward (at least 0), against the tensors the chain's forward saves (counted by autograd's
+    saved-tensor hooks, as the planner counts them per node)."""
+    from torch.utils.checkpoint import checkpoint
+
+    rows, width = _CHECKPOINT_SHAPE
+    saved, seconds = [], []
+    for length in CHECKPOINT_CHAINS:
+        x = torch.randn(rows, width, device=device, requires_grad=True)
+        weights = [(torch.randn(width, width, device=device) / width**0.5).requires_grad_() for _ in range(length)]
+
+        def chain(y: torch.Tensor) -> torch.Tensor:
+            for w in weights:
+                y = torch.tanh(F.linear(y, w))
+            return y
+
+        packed: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+            chain(x)
+
+        def plain() -> None:
+            chain(x).sum().backward()
+
+        def checkpointed() -> None:
+            checkpoint(chain, x, use_reentrant=False).sum().backward()
+
+        times = [_median_time(fn, device, iters, 2, **_COMPUTE_TIMING)
+                 for fn in (plain, checkpointed, lambda: chain(x))]
+        saved.append(float(len(packed)))
+        seconds.append(max(0.0, times[1] - times[0] - times[2]))
+    return {"checkpoint.saved": saved, "checkpoint.seconds": seconds}
+
+
 def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float]]:
     """AdamW step seconds over each parameter list of :func:`optimizer_params` (float32)."""
     seconds = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from ..hardware import LinkModel, OptimizerModel
+from ..hardware import CheckpointModel, LinkModel, OptimizerModel
 from .timing import ProfileError
 
 __all__ = ["fit_alpha_beta", "fit_optimizer", "overlap_fraction"]
@@ -54,23 +54,38 @@ def fit_optimizer(n_tensors: Sequence[int], nbytes: Sequence[float], seconds: Se
     """``t = n * per_tensor + bytes * per_byte`` by least squares on relative error, both >= 0."""
     if not len(n_tensors) == len(nbytes) == len(seconds) or len(seconds) < 2 or min(seconds) <= 0:
         raise ProfileError(f"need two or more positive optimizer timings, got {list(seconds)}")
+    return OptimizerModel(*_nonnegative_fit(n_tensors, nbytes, seconds))
+
+
+def fit_checkpoint(saved: Sequence[float], seconds: Sequence[float]) -> CheckpointModel:
+    """``t = per_region + saved * per_saved_tensor`` by least squares on relative error, both >= 0
+    (a chain whose overhead measured 0 weighs as if it had measured the smallest positive one)."""
+    positive = [t for t in seconds if t > 0]
+    if len(saved) != len(seconds) or len(seconds) < 2 or not positive:
+        raise ProfileError(f"need two or more checkpoint timings, some positive, got {list(seconds)}")
+    floor = min(positive)
+    return CheckpointModel(*_nonnegative_fit([1.0] * len(saved), saved, [max(t, floor) for t in seconds]))
+
+
+def _nonnegative_fit(x1: Sequence[float], x2: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(c1, c2) >= 0`` minimising the relative error of ``c1 * x1 + c2 * x2`` against ``seconds``."""
     w = [1.0 / (t * t) for t in seconds]
-    a11 = sum(wi * n * n for wi, n in zip(w, n_tensors))
-    a12 = sum(wi * n * b for wi, n, b in zip(w, n_tensors, nbytes))
-    a22 = sum(wi * b * b for wi, b in zip(w, nbytes))
-    r1 = sum(wi * n * t for wi, n, t in zip(w, n_tensors, seconds))
-    r2 = sum(wi * b * t for wi, b, t in zip(w, nbytes, seconds))
+    a11 = sum(wi * a * a for wi, a in zip(w, x1))
+    a12 = sum(wi * a * b for wi, a, b in zip(w, x1, x2))
+    a22 = sum(wi * b * b for wi, b in zip(w, x2))
+    r1 = sum(wi * a * t for wi, a, t in zip(w, x1, seconds))
+    r2 = sum(wi * b * t for wi, b, t in zip(w, x2, seconds))
     det = a11 * a22 - a12 * a12
 
-    def error(pt: float, pb: float) -> float:
-        return sum(wi * (pt * n + pb * b - t) ** 2 for wi, n, b, t in zip(w, n_tensors, nbytes, seconds))
+    def error(c1: float, c2: float) -> float:
+        return sum(wi * (c1 * a + c2 * b - t) ** 2 for wi, a, b, t in zip(w, x1, x2, seconds))
 
     candidates = [(r1 / a11, 0.0), (0.0, r2 / a22)]       # one coefficient at its bound
     if det > 0:
-        pt, pb = (r1 * a22 - r2 * a12) / det, (r2 * a11 - r1 * a12) / det
-        if pt >= 0 and pb >= 0:
-            candidates.append((pt, pb))
-    return OptimizerModel(*min(candidates, key=lambda c: error(*c)))
+        c1, c2 = (r1 * a22 - r2 * a12) / det, (r2 * a11 - r1 * a12) / det
+        if c1 >= 0 and c2 >= 0:
+            candidates.append((c1, c2))
+    return min(candidates, key=lambda c: error(*c))
 
 
 def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:

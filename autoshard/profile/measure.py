@@ -17,9 +17,10 @@ from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
 from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, _measure_overlap, _time_collective
-from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, COMPUTE_OPS, _compute_curve, _compute_sizes,
-                      _measure_compute, _measure_local, _measure_optimizer, optimizer_params)
-from .fitting import fit_alpha_beta, fit_optimizer, overlap_fraction
+from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, CHECKPOINT_CHAINS, COMPUTE_OPS, _compute_curve,
+                      _compute_sizes, _measure_checkpoint, _measure_compute, _measure_local, _measure_optimizer,
+                      optimizer_params)
+from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, overlap_fraction
 from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
 
 __all__ = ["DEFAULT_SIZES", "measure_profile"]
@@ -95,6 +96,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     local.update(_measure_compute(device, compute_iters, compute_points, progress))
     with progress.stage("timing the optimizer step (AdamW)"):
         local.update(_measure_optimizer(device, compute_iters))
+    with progress.stage(f"timing activation checkpointing ({len(CHECKPOINT_CHAINS)} chains)"):
+        local.update(_measure_checkpoint(device, compute_iters))
     if dist.get_world_size() > 1:              # one rank has no communication to hide
         with progress.stage("timing all-reduce overlap with compute"):
             local.update(_measure_overlap(device, compute_iters))
@@ -115,6 +118,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     compute = {dname: {family: _compute_curve(agreed, f"{dname}.{family}") for family in COMPUTE_OPS}
                for dname in _dtypes(device)}
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
+    checkpoint = fit_checkpoint(agreed["checkpoint.saved"], agreed["checkpoint.seconds"])
     overlap = overlap_fraction(*agreed["overlap.seconds"]) if "overlap.seconds" in agreed else None
     return HardwareProfile(
         name=name,
@@ -128,6 +132,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         description=_describe(mesh, device, sizes, iters, roof.matmul_n, links, base, compute_iters),
         compute=compute,
         optimizer=optimizer,
+        checkpoint=checkpoint,
         overlap=overlap,
         world=world,
         kinds=kinds,
@@ -144,6 +149,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                                               for f in COMPUTE_OPS},
                             "optimizer_params": [list(p) for p in optimizer_params(device)],
                             "optimizer_seconds": agreed["optimizer.seconds"],
+                            "checkpoint_saved_tensors": agreed["checkpoint.saved"],
+                            "checkpoint_seconds": agreed["checkpoint.seconds"],
                             **({"overlap_bytes": agreed["overlap.bytes"][0],
                                 "overlap_seconds": dict(zip(("compute", "all_reduce", "both"),
                                                             agreed["overlap.seconds"]))}
@@ -197,7 +204,10 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
         "Optimizer: torch.optim.AdamW step (default implementation) over the parameter lists in "
         "extra.measured.optimizer_params (tensors, elements; float32), fitted to n*per_tensor + "
-        "bytes*per_byte. Overlap: (C + A - T) / min(C, A) for a matmul loop (C), an all-reduce over all "
+        "bytes*per_byte. Checkpoint: chains of (linear, tanh) pairs in one torch.utils.checkpoint region "
+        "(non-reentrant), forward + backward less the plain chain's less one more forward, against the "
+        "tensors the chain's forward saves (extra.measured.checkpoint_saved_tensors), fitted to "
+        "per_region + saved*per_saved_tensor. Overlap: (C + A - T) / min(C, A) for a matmul loop (C), an all-reduce over all "
         "ranks of about the same time (A) and both at once with async_op=True (T).",
     ]
     if unmeasured:
@@ -211,7 +221,7 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
     if device.type == "cpu":
         lines.append("CPU devices: host_device_bandwidth is set equal to memory_bandwidth (no separate "
                      "device memory); memory_per_device is physical RAM divided by the local ranks. A timed "
-                     "run of a compute curve or the optimizer counts as at least its process CPU time x "
+                     "run of a compute curve, the optimizer or a checkpointed chain counts as at least its process CPU time x "
                      f"local ranks / cores ({_ranks_over_cores():g} here): ranks sharing cores are bound "
                      "by the CPU they all need, as in a training step.")
     return " ".join(lines)

@@ -18,7 +18,7 @@ from ..specs import replicated_axes
 from ..strategy import BWD, Strategy
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .formulation import backward_time, forward_time
-from .memory_model import rerun_cost
+from .memory_model import checkpoint_overhead, rerun_cost
 from .param_edges import chosen_param_edges
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, memory_segments, post_segment_nodes
@@ -257,7 +257,8 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
     """Add one segment's held activations and time under decision ``dec`` to ``t`` and ``mem``;
     returns the bytes its backward brings back (recomputed or restored), 0 when none. A recomputed
     (or partitioned) segment runs its nodes' forward again, with the resharding of every operand
-    read inside it (``gathers``: the parameters gathered per block, before the region, are not)."""
+    read inside it (``gathers``: the parameters gathered per block, before the region, are not),
+    and pays the checkpoint machinery (:func:`~.memory_model.checkpoint_overhead`)."""
     mesh_shape, hw = cg.mesh.shape, cg.hardware
     A = sum(cg.nodes[n].costs.saved[choice[n]] for n in seg.nodes)
     if dec == Decision.KEEP:
@@ -270,7 +271,8 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         run_saved = [_at(run.saved, choice) for run in seg.runs]
         mem.activations += A - sum(run_saved) + sum(_at(run.stored, choice) for run in seg.runs)
         mem.working_set = max(mem.working_set, *run_saved)
-        t.recompute += sum(_at(run.fwd, choice) for run in seg.runs) + rerun_reshard_seconds(seg, dec, choice, gathers)
+        t.recompute += (sum(_at(run.fwd, choice) for run in seg.runs) + rerun_reshard_seconds(seg, dec, choice, gathers)
+                        + checkpoint_overhead(hw, seg, dec))
         return max(run_saved)
     if dec == Decision.OFFLOAD and not hw.device_memory_separate:
         mem.activations += A               # host memory is device memory: nothing freed
@@ -278,7 +280,6 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         return 0.0
     F = sum(forward_time(cg.nodes[n].costs)[choice[n]] for n in seg.nodes)
     mem.working_set = max(mem.working_set, A)
-    F += rerun_reshard_seconds(seg, dec, choice, gathers)
     if dec == Decision.OFFLOAD:
         B = sum(cg.nodes[n].costs.compute_bwd[choice[n]] for n in seg.nodes)
         bw = hw.host_device_bandwidth
@@ -292,6 +293,7 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
         full += nbytes
         part += nbytes / math.prod(mesh_shape[x] for x in axes)
         gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)
+    F += rerun_reshard_seconds(seg, dec, choice, gathers) + checkpoint_overhead(hw, seg, dec)
     if dec == Decision.RECOMPUTE:
         mem.activations += full
         t.recompute += F

@@ -15,6 +15,7 @@ import numpy as np
 import pulp
 
 from ..comm_cost import collective_cost
+from ..hardware import HardwareProfile
 from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..specs import replicated_axes
 from .costgraph import CGEdge, CostGraph
@@ -255,10 +256,12 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
         allowed = [k for k in allowed if k != Decision.SELECTIVE]
     counts = _decision_counts(m, n, allowed)
     separate = m.cg.hardware.device_memory_separate
-    forms = {Decision.KEEP: [f.saved], Decision.RECOMPUTE: [f.ckpt, f.fwd],
-             Decision.PARTITIONED: [f.ckpt_part, f.fwd + f.gather],
+    hooks = {k: _Form(checkpoint_overhead(m.cg.hardware, segs[0], k) * T)
+             for k in (Decision.RECOMPUTE, Decision.PARTITIONED, Decision.SELECTIVE)}
+    forms = {Decision.KEEP: [f.saved], Decision.RECOMPUTE: [f.ckpt, f.fwd + hooks[Decision.RECOMPUTE]],
+             Decision.PARTITIONED: [f.ckpt_part, f.fwd + f.gather + hooks[Decision.PARTITIONED]],
              Decision.OFFLOAD: [f.saved, f.fwd, f.bwd] if separate else [f.saved],
-             Decision.SELECTIVE: [f.selective_held, f.selective_fwd]}
+             Decision.SELECTIVE: [f.selective_held, f.selective_fwd + hooks[Decision.SELECTIVE]]}
     prods = _decision_products(m, counts, n, {k: forms[k] for k in counts})
     memory, time_terms = [], []
     keep_saved = None
@@ -299,6 +302,21 @@ def _class_decisions(m: Model, segs: list[MemorySegment], allowed: list[str],
             bounds.append((u, run))
             m.prob += working >= _products(m, u, 1, [run])[0]
     return counts, memory, time_terms, bounds, f
+
+
+def checkpoint_overhead(hw: HardwareProfile, seg: MemorySegment, decision: str) -> float:
+    """Seconds the checkpoint machinery adds to a segment under ``decision``, beyond its recomputed
+    forward (:meth:`~autoshard.hardware.HardwareProfile.checkpoint_seconds`): one region that packs
+    every tensor its forward saves when recomputed (``torch.utils.checkpoint``), one region per run
+    when selective, one region that packs nothing when partitioned (the runtime's own autograd
+    function keeps its input slices and recomputes in backward)."""
+    if decision == Decision.RECOMPUTE:
+        return hw.checkpoint_seconds(seg.hooked)
+    if decision == Decision.PARTITIONED:
+        return hw.checkpoint_seconds(0)
+    if decision == Decision.SELECTIVE:
+        return sum(hw.checkpoint_seconds(n) for n in seg.run_hooked)
+    return 0.0
 
 
 def rerun_cost(cg: CostGraph, edge: CGEdge) -> np.ndarray:

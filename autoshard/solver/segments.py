@@ -22,6 +22,8 @@ class MemorySegment:
     ckpt_edges: list[CGEdge] = field(default_factory=list)
     runs: list[RecomputeRun] = field(default_factory=list)    # what 'selective' recomputes
     rerun_edges: list[CGEdge] = field(default_factory=list)   # into its nodes: resharded inside it
+    hooked: int = 0                                           # tensors its forward saves for backward
+    run_hooked: list[int] = field(default_factory=list)       # the same, per selective run
 
     def rerun_edges_for(self, decision: str) -> list[CGEdge]:
         """The edges whose forward resharding runs again in backward under ``decision``: every edge
@@ -72,6 +74,9 @@ def _memory_segments(cg: CostGraph) -> list[MemorySegment]:
         by_seg[dst.segment].ckpt_edges.append(e)
     for name, runs in recompute_runs(cg).items():
         by_seg[name].runs = runs
+    for seg in by_seg.values():
+        seg.hooked = sum(cg.table[m].hooked for n in seg.nodes for m in cg.nodes[n].members)
+        seg.run_hooked = [sum(cg.table[m].hooked for m in run.nodes) for run in seg.runs]
     return list(by_seg.values())
 
 

@@ -43,7 +43,7 @@ def test_progress_is_one_start_and_one_end_line_per_stage_on_rank_0(prof):
     assert len(starts) == len(ends) == len(lines) // 2 and len(starts) >= 10, lines
     for stage in ("timing all_reduce on mesh axis 0", "timing reduce_scatter on all devices",
                   "timing matmul peak", "timing float32 matmul compute", "timing the optimizer step",
-                  "timing all-reduce overlap"):
+                  "timing activation checkpointing", "timing all-reduce overlap"):
         assert any(line.startswith(f"autoshard: {stage}") for line in starts), f"no stage {stage!r}: {lines}"
 
 
@@ -69,10 +69,10 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
 
 
 def test_every_rank_has_the_same_numbers(prof):
-    """The max over ranks was agreed collectively: links, roofline, curves, optimizer, overlap."""
+    """The max over ranks was agreed collectively: links, roofline, curves, optimizer, checkpoint, overlap."""
     d = prof.to_dict()
     mine = {k: d[k] for k in ("axes", "world", "kinds", "peak_flops", "memory_bandwidth", "compute", "optimizer",
-                              "overlap")}
+                              "checkpoint", "overlap")}
     assert all(g == mine for g in _gathered(mine))
 
 
@@ -101,6 +101,10 @@ def test_optimizer_and_overlap_are_measured(prof):
     step = prof.optimizer_seconds(100, 4e8)            # GPT-2 small-ish: 100 tensors, 400 MB
     assert 1e-4 < step < 60
     assert prof.overlap is not None and 0.0 <= prof.overlap <= 1.0
+    # checkpointing a small transformer block's worth of saved tensors costs something, not seconds
+    ck = prof.checkpoint
+    assert ck is not None and ck.per_region >= 0 and ck.per_saved_tensor >= 0
+    assert 1e-6 < prof.checkpoint_seconds(30) < 0.1
 
 
 def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
