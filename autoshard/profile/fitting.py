@@ -9,7 +9,7 @@ from typing import Sequence
 from ..hardware import CheckpointModel, LinkModel, OptimizerModel
 from .timing import ProfileError
 
-__all__ = ["fit_alpha_beta", "fit_optimizer", "overlap_fraction"]
+__all__ = ["fit_alpha_beta", "fit_checkpoint", "fit_optimizer", "overlap_fraction"]
 
 
 def _fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
