@@ -31,8 +31,8 @@ implementation for the device) as ``n_tensors * per_tensor + bytes * per_byte``;
 prices what a region under ``torch.utils.checkpoint`` (non-reentrant, as the runtime runs a recomputed
 segment) costs beyond running its forward again, ``per_region + saved tensors * per_saved_tensor``
 (its hooks pack every tensor the forward saves, and backward unpacks them around the recomputation;
-on 4 CPU ranks sharing 2 cores ~0.26 ms per region and ~33 us per saved tensor: 1.2 ms for a GPT-2
-block of width 128, a quarter of its forward); ``overlap`` is the
+on 4 CPU ranks sharing 2 cores 0.19-0.26 ms per region and 24-33 us per saved tensor: about 1 ms
+for a GPT-2 block of width 128, a quarter of its forward); ``overlap`` is the
 measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
