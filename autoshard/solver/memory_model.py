@@ -323,14 +323,18 @@ def rerun_cost(cg: CostGraph, edge: CGEdge) -> np.ndarray:
     """Seconds of the forward resharding of ``edge`` over its (src spec, dst spec) grid, as the ILP
     prices running it again in a recomputed segment: pairs that read a parameter gatherable per
     block cost nothing there (the runtime gathers before the region, once)."""
-    representative = cg.derived("edge_representatives", lambda: {
-        id(e): eg.edge for eg in cg.edge_groups() for e in eg.edges})
-    e = representative[id(edge)]
+    e = _representative(cg, edge)
     price = cg.derived("param_edge_prices", lambda: param_edge_prices(cg)).get(id(e))
     cost = np.asarray(e.fwd, dtype=float)
     if price is not None:
         cost = np.where(price.gather_axes != None, 0.0, cost)  # noqa: E711 (object array)
     return cost
+
+
+def _representative(cg: CostGraph, edge: CGEdge) -> CGEdge:
+    """The edge of ``edge``'s group that the ILP's pair variables and parameter prices are keyed by."""
+    return cg.derived("edge_representatives", lambda: {
+        id(e): eg.edge for eg in cg.edge_groups() for e in eg.edges})[id(edge)]
 
 
 def _rerun_reshard_terms(m: Model, seg: MemorySegment, counts: dict, n: int) -> list:
@@ -349,7 +353,7 @@ def _rerun_reshard_terms(m: Model, seg: MemorySegment, counts: dict, n: int) -> 
         cost = rerun_cost(m.cg, edge) * T
         if not np.any(cost):
             continue
-        e = m.cg.derived("edge_representatives", dict)[id(edge)]
+        e = _representative(m.cg, edge)
         grid = [(int(a), int(b)) for a in range(cost.shape[0]) for b in range(cost.shape[1])]
         if not any(isinstance(c, pulp.LpVariable) for c in rerun):
             mult = float(sum(rerun))
