@@ -15,8 +15,8 @@ import numpy as np
 import pulp
 
 from ..comm_cost import collective_cost
-from ..hardware import HardwareProfile
 from ..decisions import DECISIONS, RECOMPUTING, Decision
+from ..hardware import HardwareProfile
 from ..specs import replicated_axes
 from .costgraph import CGEdge, CostGraph
 from .formulation import T, Model, forward_time, held_param_copies, weighted_sum
