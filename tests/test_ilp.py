@@ -421,3 +421,23 @@ def test_recompute_pays_the_checkpoint_machinery_where_the_profile_measured_it()
             t, _ = predict(graph, choice, {seg.name: decision for seg in segments}, SolverOptions())
             assert t.recompute - reference.recompute == pytest.approx(
                 sum(overhead(seg, decision) for seg in segments), rel=1e-9, abs=1e-12)
+
+
+def test_partitioned_checkpoint_prices_only_what_the_runtime_splits():
+    """A checkpoint input is split over the axes it is replicated over only when it is floating
+    point and its local elements divide among those devices (the runtime keeps anything else
+    whole); an input made outside every segment and read by several (Llama's rotary tables) stays
+    resident and is no checkpoint input: each block checkpoints its hidden state alone."""
+    from autoshard.decisions import partition_axes, stays_resident
+    assert partition_axes((0, 1), (2, 2), 8, True) == (0, 1)
+    assert partition_axes((1,), (2, 2), 6, True) == (1,)
+    assert partition_axes((0, 1), (2, 2), 6, True) == ()
+    assert partition_axes((0,), (2, 2), 8, False) == ()
+    assert partition_axes((), (2, 2), 8, True) == ()
+    assert stays_resident(None, {"a", "b"})
+    assert not stays_resident(None, {"a"}) and not stays_resident("a", {"b", "c"})
+    cg = _cost_graph("llama-tiny", (2, 2))
+    segments = memory_segments(cg)
+    assert len(segments) == 2
+    for seg in segments:
+        assert [tuple(e.tensor.shape) for e in seg.ckpt_edges] == [(2, 16, 32)], seg.name

@@ -17,8 +17,8 @@ from ..handlers.registry import op_info
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
 from ..solver.evaluate import gradient_reduction, param_gathers
-from ..solver.segments import memory_segments
-from ..specs import ShardSpec, replicated_axes
+from ..solver.segments import checkpoint_partition_axes, memory_segments
+from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy, local_bytes
 from ..version import __version__
 from .jsonio import jsonable
@@ -217,7 +217,7 @@ def _partition_gathers(cg: "CostGraph", solution: "Solution") -> list[tuple[str,
             continue
         for e in seg.ckpt_edges:
             spec = e.src_specs[e.src_index[solution.choice[e.src]]]
-            axes = list(replicated_axes(spec, mesh_shape))
+            axes = list(checkpoint_partition_axes(e, spec, mesh_shape))
             if axes:
                 out.append((seg.name, axes, spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize))
     return out

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..batch_norm_modes import batch_norm_groups
 from ..capture import CapturedGraph
-from ..decisions import Decision
+from ..decisions import Decision, stays_resident
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..handlers import handler_for
 from ..handlers.registry import default_kernel, op_info
@@ -43,7 +43,7 @@ from ..mesh import MeshSpec
 from ..opinfo import OpInfo, op_name
 from ..param_gather import ParamGathers, param_uses, plan_param_gathers
 from ..plans import NodePlan, Plan, PlanError, ReshardEntry
-from ..specs import ShardSpec
+from ..specs import ShardSpec, replicated_axes
 from ..strategy import BWD, FWD, Strategy
 from ..memory.annotations import CHECKPOINT_META, OFFLOAD_META, PARTITION_AXES_META, PARTITION_META
 from ..memory.codegen import apply_memory_annotations
@@ -168,11 +168,15 @@ class _Lowering:
                         new.meta[PARTITION_META] = True
             new = new.next
 
-    def _mark(self, new: fx.Node, spec: Any) -> None:
-        """Record on a generated value the mesh axes it is replicated over (partitioned checkpoints)."""
-        if isinstance(spec, ShardSpec):
-            new.meta[PARTITION_AXES_META] = tuple(a for a in range(len(self.comm.mesh_shape))
-                                                  if a not in spec.used_axes() and self.comm.mesh_shape[a] > 1)
+    def _mark(self, new: fx.Node, spec: Any, node: fx.Node) -> None:
+        """Record on ``new``, the generated value of graph node ``node``, the mesh axes a partitioned
+        checkpoint may split it over: those it is replicated over, or none where it stays resident
+        anyway (:func:`~autoshard.decisions.stays_resident`, the rule the solver prices)."""
+        if not isinstance(spec, ShardSpec):
+            return
+        readers = {seg for u in node.users if (seg := self._node_plan(u.name).segment)}
+        resident = stays_resident(self._node_plan(node.name).segment, readers)
+        new.meta[PARTITION_AXES_META] = () if resident else replicated_axes(spec, self.comm.mesh_shape)
 
     # -- placeholders ----------------------------------------------------------------------------
 
@@ -194,7 +198,7 @@ class _Lowering:
         if kind == "input" and self.input_mode == "global" and spec is not None and not spec.is_replicated():
             new = self.out.call_method("shard_input", (self._comm(), new, spec.dims))
         if kind == "input":
-            self._mark(new, spec)
+            self._mark(new, spec, node)
         if kind == "buffer":
             new.meta[STATE_META] = True
         self.env[name] = new
@@ -218,7 +222,7 @@ class _Lowering:
         if node.target is operator.getitem:       # the element itself, already in the input layout
             self.env[node.name] = local[op.operand_nodes[0]] if op.operand_nodes else self._literal(node.args)
             self.spec_of[node.name] = strategy.output_specs[0]
-            self._mark(self.env[node.name], strategy.output_specs[0])
+            self._mark(self.env[node.name], strategy.output_specs[0], node)
             return
         args, kwargs = self._substitute((kernel.args, kernel.kwargs), local)
         if kernel.uses_comm:
@@ -242,7 +246,7 @@ class _Lowering:
         self.env[node.name] = outs if is_tuple else outs[0]
         self.spec_of[node.name] = list(strategy.output_specs)
         for out, spec in zip(outs, strategy.output_specs):
-            self._mark(out, spec)
+            self._mark(out, spec, node)   # a tuple's elements: marked again by their getitem nodes
 
     def _outputs(self, op: OpInfo, strategy: Strategy, result: fx.Node, is_tuple: bool) -> list[fx.Node]:
         """Per-output nodes (elements of a tuple result), with the partial outputs all-reduced."""

@@ -4,7 +4,10 @@ A checkpointed region normally keeps its inputs until backward recomputes it. An
 replicated over mesh axes holds the same values on every device of those axes, so each device can
 keep only its 1/n slice (flattened, split evenly) and the full input is all-gathered right before
 recomputation. Gradients are exactly those of plain recomputation: the region runs again on the
-same values.
+same values. An input that stays in memory anyway is kept whole (the lowering marks it with no
+axes): one produced outside every segment and read by several, such as rotary tables or a mask
+(:func:`autoshard.decisions.stays_resident`); partitioning it would free nothing and add an
+all-gather per region, and the solver prices none.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..decisions import partition_axes
 from .collectives import RECOMPUTE, MeshComm
 
 PARTITION_META = "activation_partition"
@@ -19,10 +23,7 @@ PARTITION_META = "activation_partition"
 
 
 def _can_partition(x: Any, axes: Sequence[int], comm: MeshComm) -> bool:
-    n = 1
-    for a in axes:
-        n *= comm.mesh_shape[a]
-    return isinstance(x, torch.Tensor) and n > 1 and x.is_floating_point() and x.numel() % n == 0
+    return isinstance(x, torch.Tensor) and bool(partition_axes(axes, comm.mesh_shape, x.numel(), x.is_floating_point()))
 
 
 class _PartitionedCheckpoint(torch.autograd.Function):

@@ -14,14 +14,13 @@ from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, Decision
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
 from ..param_gather import ParamGathers, gathered_bytes, param_uses, plan_param_gathers
-from ..specs import replicated_axes
 from ..strategy import BWD, Strategy
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .formulation import backward_time, forward_time
 from .memory_model import checkpoint_overhead, rerun_cost
 from .param_edges import chosen_param_edges
 from .results import MemoryPrediction, SolverOptions, TimePrediction
-from .segments import MemorySegment, memory_segments, post_segment_nodes
+from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
 from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
 
 if TYPE_CHECKING:
@@ -289,7 +288,7 @@ def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dic
     for e in seg.ckpt_edges:
         spec = e.src_specs[e.src_index[choice[e.src]]]
         nbytes = spec.local_numel(e.tensor.shape, mesh_shape) * e.tensor.dtype.itemsize
-        axes = replicated_axes(spec, mesh_shape)
+        axes = checkpoint_partition_axes(e, spec, mesh_shape)
         full += nbytes
         part += nbytes / math.prod(mesh_shape[x] for x in axes)
         gather += collective_cost("all_gather", nbytes, axes, mesh_shape, hw)

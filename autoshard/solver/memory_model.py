@@ -17,12 +17,11 @@ import pulp
 from ..comm_cost import collective_cost
 from ..decisions import DECISIONS, RECOMPUTING, Decision
 from ..hardware import HardwareProfile
-from ..specs import replicated_axes
 from .costgraph import CGEdge, CostGraph
 from .formulation import T, Model, forward_time, held_param_copies, weighted_sum
 from .param_edges import param_edge_prices
 from .results import SolverOptions
-from .segments import MemorySegment, memory_segments, post_segment_nodes
+from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
 
 
 def _spec_bytes(e: CGEdge, mesh_shape) -> np.ndarray:
@@ -191,7 +190,7 @@ def _segment_forms(m: Model, seg: MemorySegment) -> _SegmentForms:
         f.bwd.add(g, c.compute_bwd * T)
     for e in seg.ckpt_edges:
         full_bytes = _spec_bytes(e, mesh_shape)
-        axes = [replicated_axes(s, mesh_shape) for s in e.src_specs]
+        axes = [checkpoint_partition_axes(e, s, mesh_shape) for s in e.src_specs]
         full = full_bytes / m.M
         part = full / np.array([math.prod(mesh_shape[a] for a in ax) for ax in axes], dtype=float)
         gather = T * np.array([collective_cost("all_gather", b, ax, mesh_shape, hw) for b, ax in zip(full_bytes, axes)])

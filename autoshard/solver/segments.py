@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decisions import Decision
+from ..decisions import Decision, partition_axes, stays_resident
+from ..specs import ShardSpec, replicated_axes
 from .costgraph import CGEdge, CGNode, CostGraph
 from .selective import RecomputeRun, recompute_runs
 
@@ -65,8 +66,7 @@ def _memory_segments(cg: CostGraph) -> list[MemorySegment]:
         if dst.segment is None or src.segment == dst.segment or src.kind == "placeholder" and not _is_input(cg, src):
             continue
         key = (e.src, e.src_member, e.src_output)
-        # inputs shared by several segments (masks, rotary tables) stay resident anyway
-        if len(consumers_by_src[key]) > 1 and src.segment is None:
+        if stays_resident(src.segment, consumers_by_src[key]):
             continue
         if (dst.segment, key) in seen:
             continue
@@ -78,6 +78,13 @@ def _memory_segments(cg: CostGraph) -> list[MemorySegment]:
         seg.hooked = sum(cg.table[m].hooked for n in seg.nodes for m in cg.nodes[n].members)
         seg.run_hooked = [sum(cg.table[m].hooked for m in run.nodes) for run in seg.runs]
     return list(by_seg.values())
+
+
+def checkpoint_partition_axes(e: CGEdge, spec: ShardSpec, mesh_shape) -> tuple[int, ...]:
+    """The mesh axes a partitioned checkpoint splits checkpoint edge ``e``'s tensor over when its
+    producer gives it in ``spec`` (what the runtime's partitioned checkpoint does with it)."""
+    return partition_axes(replicated_axes(spec, mesh_shape), mesh_shape, spec.local_numel(e.tensor.shape, mesh_shape),
+                          e.tensor.dtype.is_floating_point)
 
 
 def post_segment_nodes(cg: CostGraph) -> set[str]:

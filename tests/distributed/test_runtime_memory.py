@@ -138,6 +138,45 @@ def test_budgeted_plan_runs_its_predicted_collectives(name, fraction):
                  name, fraction)
 
 
+def _partitioned_data_parallel_run(name: str) -> None:
+    """The data-parallel plan with every block partitioned, priced by the solver: its activations
+    are batch-sharded, so only inputs replicated over the mesh could be split, and Llama's rotary
+    tables (made outside the blocks, read by every block) stay resident: nothing is all-gathered
+    before recomputation, in the plan's listing or in the run."""
+    from autoshard.enumerate import enumerate_strategies
+    from autoshard.plans.build import plan_from_solution
+    from autoshard.solver import SolverOptions, build_cost_graph
+    from autoshard.solver.baselines import solve_baseline
+    from autoshard.solver.fixed import fixed_solution
+    from autoshard.solver.segments import memory_segments
+
+    box = [None]
+    if dist.get_rank() == 0:
+        cg = build_cost_graph(enumerate_strategies(_graph(name), mesh_shape=(2, 2), hardware="cpu-gloo"))
+        choice = solve_baseline(cg, "data_parallel", SolverOptions(fixed_decision="keep")).solution.choice
+        sol = fixed_solution(cg, cg.graph_choice(choice), SolverOptions(),
+                             {seg.name: "partitioned" for seg in memory_segments(cg)})
+        box = [plan_from_solution(cg, sol, model_name=name, options=SolverOptions(), budget=None).to_dict()]
+    dist.broadcast_object_list(box, 0)
+    plan = Plan.from_dict(box[0])
+    assert set(plan.segments.values()) == {"partitioned"}, plan.segments
+    model, _, kwargs = _model(name)
+    reference = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, plan, device_mesh((2, 2)), graph=_graph(name))
+    with pm.comm.counter.recording() as counter:
+        loss = pm(**kwargs).loss
+        loss.backward()
+    measured = {k: v[0] for k, v in counter.totals().items()}
+    predicted = {(c.kind, tuple(c.axes), c.phase): c.nbytes for c in plan.comm}
+    assert measured == predicted, "measured communication != plan"
+    assert not any(phase == "recompute" for _, _, phase in measured), measured
+    torch.testing.assert_close(loss, reference(**kwargs).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_partitioned_checkpoint_keeps_inputs_shared_by_every_block_whole():
+    on_all_ranks("llama-tiny data-parallel, every block partitioned", _partitioned_data_parallel_run, "llama-tiny")
+
+
 # A roofline-only CPU profile: cpu-gloo as measured on 2026-11-22, before profiles carried measured
 # compute curves. On it a 90% budget makes GPT-2's blocks selective; which decision a measured
 # profile leads to changes with each measurement (the 2-core machine is noisy), so the test pins this.
