@@ -77,6 +77,20 @@ def test_partial_overlap_charges_the_hidden_part_at_one_minus_overlap():
     assert exposed == pytest.approx(copy + (1 - eta) * one + copy)
 
 
+@pytest.mark.parametrize("eta", [0.0, 0.25, 1.0])
+def test_a_bucket_longer_than_the_backward_left_is_stretched_by_what_it_shares(eta):
+    """A bucket that starts a quarter of its all-reduce before backward ends: without overlap the
+    step pays that quarter of compute and the whole all-reduce after it, with full overlap the
+    quarter hides; in between, the shared seconds cost (1 - overlap) on both streams."""
+    hw = _gloo(eta)
+    big = GRAD_BUCKET_BYTES
+    one = collective_cost("all_reduce", big, (0, 1), MESH, hw)
+    copy = hw.copy_seconds(big, "float32")
+    end = 10 * one
+    exposed, _ = exposed_grad_sync(_grads(end - one / 4, nbytes=big), backward_end=end, mesh_shape=MESH, hw=hw)
+    assert exposed == pytest.approx(copy + one - one / 4 + (1 - eta) * one / 4 + copy)
+
+
 def test_bucket_copies_are_priced_at_the_measured_pointwise_rate():
     """A flatten or copy back reads and writes the bytes once: the profile's pointwise curve at
     twice the bytes, or read + write over the memory bandwidth for a profile without curves."""

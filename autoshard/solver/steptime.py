@@ -14,8 +14,10 @@ two streams:
 
 A bucket that runs while backward still computes is hidden up to the profile's measured
 ``overlap`` fraction (1 where communication has its own engine, as NCCL on GPUs; on CPU ranks
-sharing cores much less): the overlapped seconds cost ``(1 - overlap)`` of themselves on the
-compute stream. What is left of the communication stream after backward ends is exposed in
+sharing cores much less): the seconds the two share cost ``(1 - overlap)`` of themselves on the
+compute stream and, as much, on the communication stream (at ``overlap`` 0 the two run one after
+the other: a bucket that starts 1 ms before backward ends still costs its whole all-reduce after
+that millisecond of compute). What is left of the communication stream after backward ends is exposed in
 full. :func:`exposed_grad_sync` computes that exactly for one assignment (what
 :func:`~autoshard.solver.evaluate.predict` reports); :class:`SyncPricing` gives the ILP its linear
 approximation: per mesh-axis set, bytes over the bucket bandwidth plus one latency per bucket
@@ -120,8 +122,10 @@ def exposed_grad_sync(grads: Sequence[SyncedGradient], backward_end: float, mesh
         cost = collective_cost("all_reduce", nbytes, first.axes, mesh_shape, hw)
         flattened += hw.copy_seconds(nbytes, first.dtype)
         start = max(comm_end, max(grads[i].ready for i in bucket) + flattened)
-        overlapped += max(0.0, min(cost, backward_end + flattened - start))
-        comm_end = start + cost
+        shared = max(0.0, min(cost, backward_end + flattened - start))
+        overlapped += shared
+        # both streams stretch by the un-hidden shared seconds: at overlap 0 the step pays both
+        comm_end = start + cost + (1.0 - eta) * shared
         total += cost
         done.append((comm_end, hw.copy_seconds(nbytes, first.dtype)))
     clock = backward_end + flattened + (1.0 - eta) * overlapped
