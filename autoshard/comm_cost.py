@@ -36,6 +36,11 @@ as one ring of ``n`` devices over that link. Otherwise the cost is the minimum o
   on large messages over links of similar speed.
 
 Axes of size 1 take no part; an empty ``axes`` tuple is a no-op of cost 0.
+
+An all-reduce no larger than the largest small size a measured profile timed on its group
+(``HardwareProfile.small_all_reduce``: a loss, a count) takes the measured time instead: backends
+run such messages differently (gloo's ring skips the segments they leave empty), which the
+alpha-beta fit over larger messages does not say.
 """
 from __future__ import annotations
 
@@ -118,8 +123,10 @@ def _active_axes(axes: Sequence[int], mesh_shape: Sequence[int], hw: HardwarePro
 
 
 def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int],
-                    hw: HardwareProfile) -> float:
-    """Seconds for collective ``kind`` on ``nbytes`` per device over mesh ``axes``."""
+                    hw: HardwareProfile, *, measured_small: bool = True) -> float:
+    """Seconds for collective ``kind`` on ``nbytes`` per device over mesh ``axes``;
+    ``measured_small=False``: from the links alone, without the profile's small all-reduce times (a
+    linear form fitted on large messages, such as the solver's price per gradient bucket)."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(KINDS)}")
     if nbytes < 0:
@@ -127,6 +134,10 @@ def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: S
     active = _active_axes(tuple(axes), mesh_shape, hw)
     if not active:
         return 0.0
+    if kind == ALL_REDUCE and measured_small and (len(active) == 1 or hw.world is not None):
+        small = hw.small_all_reduce_seconds(f"axis{active[0]}" if len(active) == 1 else "world", nbytes)
+        if small is not None:
+            return small
     if len(active) == 1:
         a = active[0]
         return _one_axis(kind, mesh_shape[a], hw.link(kind, f"axis{a}"), nbytes)

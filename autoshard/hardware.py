@@ -33,7 +33,11 @@ segment) costs beyond running its forward again, ``per_region + saved tensors * 
 (its hooks pack every tensor the forward saves, and backward unpacks them around the recomputation;
 on 4 CPU ranks sharing 2 cores 0.19-0.26 ms per region and 24-33 us per saved tensor: about 1 ms
 for a GPT-2 block of width 128, a quarter of its forward); ``overlap`` is the
-measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it).
+measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it);
+``small_all_reduce`` holds measured all-reduce times per group below the sizes the links are fitted
+on (a step's loss and counts: a few bytes), where a backend may run another program (gloo's ring
+all-reduce over 4 ranks: ~3.4 ms for 16 bytes, ~5.5 ms from 64 bytes up, which the fit says of
+16 bytes too).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
 
@@ -44,6 +48,7 @@ memory_bandwidth)``.
     optimizer: {per_tensor: 2.0e-5, per_byte: 1.5e-10}
     checkpoint: {per_region: 2.0e-4, per_saved_tensor: 1.7e-5}
     overlap: 0.35
+    small_all_reduce: {world: {bytes: [4, 16, 64, 256, 1024], seconds: [3.4e-3, ...]}, axis0: ...}
 """
 from __future__ import annotations
 
@@ -73,6 +78,30 @@ class LinkModel:
 
     alpha: float
     beta: float
+
+
+@dataclass(frozen=True)
+class SmallMessages:
+    """Measured seconds of one collective at message sizes below a link's fitted range (``nbytes``
+    increasing): where the backend runs small messages unlike its large ones (gloo's ring all-reduce
+    skips the segments a message of fewer elements than twice the ranks leaves empty: a 16-byte
+    all-reduce over 4 CPU ranks takes ~3.4 ms where 64 bytes and more take ~5.5)."""
+
+    nbytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def seconds_at(self, nbytes: float) -> float | None:
+        """Time at ``nbytes``: the first point's at or below it, piecewise-linear between points;
+        None above the last point (the link's alpha-beta fit prices that)."""
+        if nbytes > self.nbytes[-1]:
+            return None
+        if nbytes <= self.nbytes[0]:
+            return self.seconds[0]
+        i = bisect.bisect_right(self.nbytes, nbytes) - 1       # nbytes[i] <= nbytes < nbytes[i + 1]
+        if i == len(self.nbytes) - 1:
+            return self.seconds[-1]
+        f = (nbytes - self.nbytes[i]) / (self.nbytes[i + 1] - self.nbytes[i])
+        return self.seconds[i] + f * (self.seconds[i + 1] - self.seconds[i])
 
 
 ELEMENTWISE_FUNCTIONS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu", "gelu_tanh")
@@ -158,6 +187,16 @@ class HardwareProfile:
     kinds: Mapping[str, Mapping[str, LinkModel]] = field(default_factory=dict)
     # measured links of collective kinds other than all-reduce (whose links are ``axes`` and
     # ``world``): kind -> group ("axis0", "axis1", "world") -> link; see :meth:`link`
+    small_all_reduce: Mapping[str, SmallMessages] = field(default_factory=dict)
+    # measured all-reduces below the fitted sizes (a step's loss and counts), group -> times;
+    # see :meth:`small_all_reduce_seconds`
+
+    def small_all_reduce_seconds(self, group: str, nbytes: float) -> float | None:
+        """Measured seconds of an all-reduce of ``nbytes`` on ``group`` (``"axis0"``, ``"axis1"``,
+        ``"world"``) where it is at most the largest small size this profile measured; None otherwise
+        (price it from the link)."""
+        table = self.small_all_reduce.get(group)
+        return None if table is None else table.seconds_at(nbytes)
 
     def link(self, kind: str, group: str) -> LinkModel | None:
         """The link a ``kind`` collective runs over on ``group`` (``"axis0"``, ``"axis1"`` or
@@ -197,9 +236,11 @@ class HardwareProfile:
         return (self.memory_bandwidth, curve)
 
     def link_pricing_key(self) -> tuple:
-        """Everything :meth:`link` reads (a cache key for collective prices)."""
+        """Everything :meth:`link` and :meth:`small_all_reduce_seconds` read (a cache key for collective
+        prices)."""
         return (tuple(self.axes), self.world,
-                tuple(sorted((kind, tuple(sorted(groups.items()))) for kind, groups in self.kinds.items())))
+                tuple(sorted((kind, tuple(sorted(groups.items()))) for kind, groups in self.kinds.items())),
+                tuple(sorted(self.small_all_reduce.items())))
 
     def copy_seconds(self, nbytes: float, dtype: str | None) -> float:
         """One memory-bound pass that reads ``nbytes`` and writes as many (a local copy the runtime
@@ -284,6 +325,7 @@ class HardwareProfile:
                 overlap=_overlap(d),
                 world=_world(d),
                 kinds=_kinds(d),
+                small_all_reduce=_small_all_reduce(d),
             )
         except KeyError as e:
             raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}; see "
@@ -311,6 +353,8 @@ class HardwareProfile:
             **({"world": {"alpha": self.world.alpha, "beta": self.world.beta}} if self.world is not None else {}),
             **({"kinds": {kind: {g: {"alpha": link.alpha, "beta": link.beta} for g, link in groups.items()}
                           for kind, groups in self.kinds.items()}} if self.kinds else {}),
+            **({"small_all_reduce": {g: {"bytes": list(t.nbytes), "seconds": list(t.seconds)}
+                                     for g, t in self.small_all_reduce.items()}} if self.small_all_reduce else {}),
             "extra": dict(self.extra),
         }
 
@@ -382,6 +426,31 @@ def _kinds(d: Mapping) -> dict[str, dict[str, LinkModel]]:
             link = _section(d, where, {"alpha": "seconds", "beta": "seconds per byte"}, value=groups[group])
             out[str(kind)][str(group)] = LinkModel(_number(d, f"{where}.alpha", link["alpha"], "seconds", zero=True),
                                                    _number(d, f"{where}.beta", link["beta"], "seconds per byte"))
+    return out
+
+
+def _small_all_reduce(d: Mapping) -> dict[str, SmallMessages]:
+    """``small_all_reduce: {world: {bytes: [4, 16, ...], seconds: [...]}, axis0: ...}``, or {}."""
+    value = d.get("small_all_reduce") or {}
+    name = d.get("name", "?")
+    if not isinstance(value, Mapping) or not set(value) <= set(KIND_GROUPS):
+        raise HardwareError(f"hardware profile {name!r}: small_all_reduce must map groups ({', '.join(KIND_GROUPS)}) "
+                            f"to {{bytes: [...], seconds: [...]}}, got {value!r}")
+    out: dict[str, SmallMessages] = {}
+    for group, table in value.items():
+        where = f"small_all_reduce.{group}"
+        table = _section(d, where, {"bytes": "message sizes, increasing", "seconds": "seconds each"}, value=table)
+        sizes, times = table["bytes"], table["seconds"]
+        if (not isinstance(sizes, Sequence) or not isinstance(times, Sequence) or isinstance(sizes, str)
+                or not sizes or len(sizes) != len(times)):
+            raise HardwareError(f"hardware profile {name!r}: {where} needs equally long, non-empty lists bytes and "
+                                f"seconds, got {len(sizes) if isinstance(sizes, Sequence) else sizes!r} and "
+                                f"{len(times) if isinstance(times, Sequence) else times!r}")
+        nbytes = tuple(_number(d, f"{where}.bytes[{i}]", b, "bytes") for i, b in enumerate(sizes))
+        if any(b >= c for b, c in zip(nbytes, nbytes[1:])):
+            raise HardwareError(f"hardware profile {name!r}: {where}.bytes must increase, got {list(sizes)}")
+        out[str(group)] = SmallMessages(nbytes, tuple(_number(d, f"{where}.seconds[{i}]", t, "seconds")
+                                                      for i, t in enumerate(times)))
     return out
 
 

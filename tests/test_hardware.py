@@ -570,6 +570,39 @@ def test_measured_links_of_other_collective_kinds_price_those_kinds():
             HardwareProfile.from_dict({**hw.to_dict(), "kinds": kinds})
 
 
+def test_measured_small_all_reduces_price_the_sizes_below_the_fit():
+    """`small_all_reduce` (gloo's ring all-reduce over 4 ranks takes ~3.4 ms for 16 bytes and ~5.5 ms
+    from 64 up, which the alpha-beta fit says of 16 bytes too) prices all-reduces up to its largest
+    size on its group, interpolated between sizes; larger ones, other kinds and groups without a
+    table go by the links, and so does the solver's linear price per gradient bucket."""
+    import dataclasses
+
+    from autoshard.comm_cost import collective_cost
+    from autoshard.hardware import SmallMessages
+    from autoshard.solver.steptime import SyncPricing
+
+    hw = dataclasses.replace(load_hardware("cpu-gloo"), small_all_reduce={})
+    world = SmallMessages((4.0, 16.0, 64.0), (3.0e-3, 3.4e-3, 5.4e-3))
+    measured = dataclasses.replace(hw, small_all_reduce={"world": world})
+    both = (0, 1)
+    assert collective_cost("all_reduce", 16, both, (2, 2), measured) == pytest.approx(3.4e-3)
+    assert collective_cost("all_reduce", 2, both, (2, 2), measured) == pytest.approx(3.0e-3)
+    assert collective_cost("all_reduce", 40, both, (2, 2), measured) == pytest.approx(4.4e-3)
+    assert collective_cost("all_reduce", 16, both, (2, 2), hw) > 5e-3                  # the fit's price
+    for kind, nbytes, axes in (("all_reduce", 65, both), ("all_reduce", 16, (0,)), ("all_gather", 16, both)):
+        assert collective_cost(kind, nbytes, axes, (2, 2), measured) == collective_cost(kind, nbytes, axes, (2, 2), hw)
+    assert collective_cost("all_reduce", 16, both, (2, 2), measured, measured_small=False) == \
+        collective_cost("all_reduce", 16, both, (2, 2), hw)
+    assert SyncPricing.of(both, (2, 2), measured) == SyncPricing.of(both, (2, 2), hw)
+    assert HardwareProfile.from_dict(measured.to_dict()) == measured
+    for table, message in (({"axis7": {"bytes": [4], "seconds": [1e-3]}}, "small_all_reduce must map"),
+                           ({"world": {"bytes": [16, 4], "seconds": [1e-3, 1e-3]}}, "must increase"),
+                           ({"world": {"bytes": [4, 16], "seconds": [1e-3]}}, "equally long"),
+                           ({"world": {"bytes": [4], "seconds": [-1.0]}}, r"small_all_reduce.world.seconds\[0\]")):
+        with pytest.raises(HardwareError, match=message):
+            HardwareProfile.from_dict({**hw.to_dict(), "small_all_reduce": table})
+
+
 def test_a_profile_without_a_conv_curve_prices_convolutions_on_its_matmul_curve():
     """Profiles measured before `autoshard profile` timed convolutions still price them from measurements."""
     sizes, (build,) = COMPUTE_OPS["conv"]

@@ -27,10 +27,11 @@ def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torc
     """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm_cost`:
     the gathered output, the scattered input, the reduced buffer) on ``group``."""
     n = dist.get_world_size(group)
+    if kind == "all_reduce":        # any number of elements: down to the one a loss all-reduces
+        buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        return lambda: dist.all_reduce(buffer, group=group)
     whole = torch.ones(max(n, nbytes // 4 // n * n), dtype=torch.float32, device=device)
     piece = torch.ones(whole.numel() // n, dtype=torch.float32, device=device)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(whole, group=group)
     if kind == "all_gather":
         return lambda: dist.all_gather_single(whole, piece, group=group)
     if kind == "reduce_scatter":

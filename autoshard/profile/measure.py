@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..hardware import HardwareProfile, LinkModel
+from ..hardware import HardwareProfile, LinkModel, SmallMessages
 from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
@@ -23,9 +23,13 @@ from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, CHECKP
 from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, overlap_fraction
 from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
 
-__all__ = ["DEFAULT_SIZES", "measure_profile"]
+__all__ = ["DEFAULT_SIZES", "SMALL_ALL_REDUCE_BYTES", "measure_profile"]
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
+
+SMALL_ALL_REDUCE_BYTES = (4, 16, 64, 256, 1024)
+"""All-reduce sizes timed besides the fitted ones, kept as measured (``small_all_reduce``): one
+float32 (a loss), a few (a loss with its count), up to where the fit holds again."""
 
 
 def _physical_memory_per_rank() -> int:
@@ -89,6 +93,12 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
             where = "all devices" if key == "world" else f"mesh axis {key}"
             with progress.stage(f"timing {kind} on {where} ({len(sizes)} sizes x {iters} runs)"):
                 local[f"{kind}.{key}"] = _time_collective(kind, group, sizes, device, iters, warmup)
+    small = [b for b in SMALL_ALL_REDUCE_BYTES if b < sizes[0]]
+    if small:
+        for key, group in groups.items():
+            where = "all devices" if key == "world" else f"mesh axis {key}"
+            with progress.stage(f"timing small all_reduce on {where} ({len(small)} sizes x {iters} runs)"):
+                local[f"small_all_reduce.{key}"] = _time_collective("all_reduce", group, small, device, iters, warmup)
     with progress.stage("timing matmul peak and memory copies"):
         roof = _measure_local(device, iters, warmup)
     local["matmul"] = list(roof.matmul_s.values())
@@ -120,6 +130,9 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
     checkpoint = fit_checkpoint(agreed["checkpoint.saved"], agreed["checkpoint.seconds"])
     overlap = overlap_fraction(*agreed["overlap.seconds"]) if "overlap.seconds" in agreed else None
+    small_all_reduce = {(key if key == "world" else f"axis{key}"):
+                        SmallMessages(tuple(float(b) for b in small), tuple(agreed[f"small_all_reduce.{key}"]))
+                        for key in groups} if small else {}
     return HardwareProfile(
         name=name,
         axes=_complete_axes(links, base),
@@ -136,6 +149,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         overlap=overlap,
         world=world,
         kinds=kinds,
+        small_all_reduce=small_all_reduce,
         extra={"measured": {"backend": dist.get_backend(), "world_size": dist.get_world_size(),
                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": str(torch.__version__),
@@ -187,7 +201,9 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
          f"step issues them), max over ranks, fitted to 2(n-1)*alpha + 2(n-1)/n*bytes*beta by "
          f"least squares on relative error. All-gather and reduce-scatter (kinds) timed the same way on "
          f"each axis and the all-device group, fitted to one ring, (n-1)*alpha + (n-1)/n*bytes*beta (where "
-         f"the time does not grow with size, the all-reduce's beta and alpha to the times)." if links else
+         f"the time does not grow with size, the all-reduce's beta and alpha to the times). All-reduces of "
+         f"{', '.join(str(b) for b in SMALL_ALL_REDUCE_BYTES if b < sizes[0])} bytes timed the same way on each "
+         f"group and kept as measured (small_all_reduce)." if links else
          "No axis has more than one device: no link measured."),
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",

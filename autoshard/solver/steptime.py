@@ -86,8 +86,8 @@ class SyncPricing:
 
     @staticmethod
     def of(axes: tuple[int, ...], mesh_shape: Sequence[int], hw: "HardwareProfile") -> "SyncPricing":
-        latency = collective_cost("all_reduce", 0, axes, mesh_shape, hw)
-        full = collective_cost("all_reduce", GRAD_BUCKET_BYTES, axes, mesh_shape, hw)
+        latency = collective_cost("all_reduce", 0, axes, mesh_shape, hw, measured_small=False)
+        full = collective_cost("all_reduce", GRAD_BUCKET_BYTES, axes, mesh_shape, hw, measured_small=False)
         return SyncPricing(axes, latency, (full - latency) / GRAD_BUCKET_BYTES)
 
     def seconds_per_byte(self) -> float:

@@ -42,6 +42,7 @@ def test_progress_is_one_start_and_one_end_line_per_stage_on_rank_0(prof):
     ends = [line for line in lines if " done in " in line]
     assert len(starts) == len(ends) == len(lines) // 2 and len(starts) >= 10, lines
     for stage in ("timing all_reduce on mesh axis 0", "timing reduce_scatter on all devices",
+                  "timing small all_reduce on all devices",
                   "timing matmul peak", "timing float32 matmul compute", "timing the optimizer step",
                   "timing activation checkpointing", "timing all-reduce overlap"):
         assert any(line.startswith(f"autoshard: {stage}") for line in starts), f"no stage {stage!r}: {lines}"
@@ -63,6 +64,10 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
     assert {k: set(g) for k, g in prof.kinds.items()} == {k: {"axis0", "axis1", "world"}
                                                            for k in ("all_gather", "reduce_scatter")}
     assert all(link.alpha >= 0 and link.beta > 0 for g in prof.kinds.values() for link in g.values())
+    # all-reduces below the fitted sizes (a loss, a count) kept as measured, on every group
+    assert set(prof.small_all_reduce) == {"axis0", "axis1", "world"}
+    assert all(t.nbytes == (4.0, 16.0, 64.0, 256.0, 1024.0) and min(t.seconds) > 0
+               for t in prof.small_all_reduce.values())
     path = tmp_path_factory.mktemp(f"rank{dist.get_rank()}") / "p.yaml"
     prof.save(path)
     assert load_hardware(path) == prof                 # the measured curves round-trip too
@@ -71,7 +76,7 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
 def test_every_rank_has_the_same_numbers(prof):
     """The max over ranks was agreed collectively: links, roofline, curves, optimizer, checkpoint, overlap."""
     d = prof.to_dict()
-    mine = {k: d[k] for k in ("axes", "world", "kinds", "peak_flops", "memory_bandwidth", "compute", "optimizer",
+    mine = {k: d[k] for k in ("axes", "world", "kinds", "small_all_reduce", "peak_flops", "memory_bandwidth", "compute", "optimizer",
                               "checkpoint", "overlap")}
     assert all(g == mine for g in _gathered(mine))
 
