@@ -36,8 +36,8 @@ for a GPT-2 block of width 128, a quarter of its forward); ``overlap`` is the
 measured fraction of an async all-reduce that hides behind compute (0: none, 1: all of it);
 ``small_all_reduce`` holds measured all-reduce times per group below the sizes the links are fitted
 on (a step's loss and counts: a few bytes), where a backend may run another program (gloo's ring
-all-reduce over 4 ranks: ~3.4 ms for 16 bytes, ~5.5 ms from 64 bytes up, which the fit says of
-16 bytes too).
+all-reduce over 4 ranks: ~1.6 ms for a loss's float64 sum and count, ~5.5 ms from 64 bytes up,
+which the fit says of 16 bytes too).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
 
@@ -84,8 +84,9 @@ class LinkModel:
 class SmallMessages:
     """Measured seconds of one collective at message sizes below a link's fitted range (``nbytes``
     increasing): where the backend runs small messages unlike its large ones (gloo's ring all-reduce
-    skips the segments a message of fewer elements than twice the ranks leaves empty: a 16-byte
-    all-reduce over 4 CPU ranks takes ~3.4 ms where 64 bytes and more take ~5.5)."""
+    skips the segments a message of fewer elements than twice the ranks leaves empty: over 4 CPU
+    ranks the loss's all-reduce, a float64 sum and count, takes ~1.6 ms where 64 bytes and more take
+    ~5.5)."""
 
     nbytes: tuple[float, ...]
     seconds: tuple[float, ...]

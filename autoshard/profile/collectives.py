@@ -23,12 +23,18 @@ MEASURED_KINDS = ("all_gather", "reduce_scatter")
 unlike a ring: gloo's reduce-scatter costs about an all-reduce whatever the size)."""
 
 
-def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torch.device) -> Callable[[], None]:
+def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torch.device,
+                fewest_elements: bool = False) -> Callable[[], None]:
     """One ``kind`` collective of ``nbytes`` per device (the byte convention of :mod:`autoshard.comm_cost`:
-    the gathered output, the scattered input, the reduced buffer) on ``group``."""
+    the gathered output, the scattered input, the reduced buffer) on ``group``, of float32 elements;
+    ``fewest_elements``: an all-reduce of as few elements as make ``nbytes`` (float64 where it
+    divides), as a step's small all-reduces are (a loss's float64 sum and count, an int64 count):
+    below twice the ranks' number of elements gloo's ring costs by the elements, not the bytes."""
     n = dist.get_world_size(group)
-    if kind == "all_reduce":        # any number of elements: down to the one a loss all-reduces
-        buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        dtype = torch.float64 if fewest_elements and nbytes % 8 == 0 else torch.float32
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buffer = torch.ones(max(1, nbytes // itemsize), dtype=dtype, device=device)
         return lambda: dist.all_reduce(buffer, group=group)
     whole = torch.ones(max(n, nbytes // 4 // n * n), dtype=torch.float32, device=device)
     piece = torch.ones(whole.numel() // n, dtype=torch.float32, device=device)
@@ -40,14 +46,15 @@ def _collective(kind: str, nbytes: int, group: "dist.ProcessGroup", device: torc
 
 
 def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int], device: torch.device,
-                     iters: int, warmup: int) -> list[float]:
+                     iters: int, warmup: int, fewest_elements: bool = False) -> list[float]:
     """Seconds a ``kind`` collective adds to a step, issued as a step issues its collectives: a loop
     of a slice of compute and one collective, less the same loop without it, timed in the same round
     (:func:`_interleaved_times`: the median over rounds of the differences, so that another load on
     the machine for part of the measurement does not land in one of the two only). Every rank computes
     between collectives, so each collective pays for waking the ranks that wait in it while the
     others compute: where ranks share CPU cores that costs milliseconds that a lone
-    barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms)."""
+    barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms).
+    ``fewest_elements``: see :func:`_collective`."""
     n = 1024 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device)
 
@@ -61,7 +68,7 @@ def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int]
             collective()
         return step
 
-    steps = [step_with(_collective(kind, size, group, device)) for size in sizes]
+    steps = [step_with(_collective(kind, size, group, device, fewest_elements)) for size in sizes]
     rounds = _interleaved_times([compute, *steps], device, iters, max(warmup, 1), group, run_s=_ISSUED_RUN_S)
     out = []
     for i in range(len(sizes)):

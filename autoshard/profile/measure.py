@@ -28,8 +28,10 @@ __all__ = ["DEFAULT_SIZES", "SMALL_ALL_REDUCE_BYTES", "measure_profile"]
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 
 SMALL_ALL_REDUCE_BYTES = (4, 16, 64, 256, 1024)
-"""All-reduce sizes timed besides the fitted ones, kept as measured (``small_all_reduce``): one
-float32 (a loss), a few (a loss with its count), up to where the fit holds again."""
+"""All-reduce sizes timed besides the fitted ones, kept as measured (``small_all_reduce``), each of as
+few elements as make it (float64 from 8 bytes): one float32, a loss's float64 sum and count, up to
+where the fit holds again. Below twice the ranks' number of elements gloo's ring costs by the
+elements (4 CPU ranks: 1.2 ms for one, 1.6 for two float64, 3.9 for four float32, 5.5+ from eight)."""
 
 
 def _physical_memory_per_rank() -> int:
@@ -98,7 +100,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         for key, group in groups.items():
             where = "all devices" if key == "world" else f"mesh axis {key}"
             with progress.stage(f"timing small all_reduce on {where} ({len(small)} sizes x {iters} runs)"):
-                local[f"small_all_reduce.{key}"] = _time_collective("all_reduce", group, small, device, iters, warmup)
+                local[f"small_all_reduce.{key}"] = _time_collective("all_reduce", group, small, device, iters, warmup,
+                                                                    fewest_elements=True)
     with progress.stage("timing matmul peak and memory copies"):
         roof = _measure_local(device, iters, warmup)
     local["matmul"] = list(roof.matmul_s.values())
@@ -202,8 +205,9 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
          f"least squares on relative error. All-gather and reduce-scatter (kinds) timed the same way on "
          f"each axis and the all-device group, fitted to one ring, (n-1)*alpha + (n-1)/n*bytes*beta (where "
          f"the time does not grow with size, the all-reduce's beta and alpha to the times). All-reduces of "
-         f"{', '.join(str(b) for b in SMALL_ALL_REDUCE_BYTES if b < sizes[0])} bytes timed the same way on each "
-         f"group and kept as measured (small_all_reduce)." if links else
+         f"{', '.join(str(b) for b in SMALL_ALL_REDUCE_BYTES if b < sizes[0])} bytes (as few elements as make "
+         f"each, float64 from 8 bytes, as a loss's sum and count) timed the same way on each group and kept as "
+         f"measured (small_all_reduce)." if links else
          "No axis has more than one device: no link measured."),
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
