@@ -23,19 +23,25 @@ def timed_outputs(monkeypatch):
     return runs
 
 
-def test_forward_is_timed_over_held_outputs_that_outgrow_the_cache(timed_outputs):
-    """A step's forward writes activations that live until backward to memory out of cache: the
-    forward chain holds every output, and is long enough to write twice the last-level cache."""
+def test_forward_and_backward_are_timed_over_held_outputs_that_outgrow_the_cache(timed_outputs):
+    """A step's forward writes activations that live until backward to memory out of cache, and its
+    backward reads them back from there: the chain holds every output, is long enough to write twice
+    the last-level cache, and its backward runs over all of it."""
     op = compute._unary(torch.tanh)(65536, torch.float32, torch.device("cpu"))
     out_bytes = 3 * 65536 * 4
     work, fwd, bwd = compute._time_op("tanh", op, torch.device("cpu"), iters=3)
-    forward_outputs, _ = timed_outputs
-    k_fwd = math.ceil(10 * 2**20 / out_bytes)
-    assert len(forward_outputs) == k_fwd
-    assert len({t.untyped_storage().data_ptr() for t in forward_outputs}) == k_fwd     # all held at once
-    assert fwd == pytest.approx(1.0 / k_fwd)
-    k = compute._chain_length("tanh", op, work, torch.device("cpu"))                   # the short chain
-    assert bwd == pytest.approx(1.0 / k) and k < k_fwd
+    forward_outputs, input_grads = timed_outputs
+    k = math.ceil(10 * 2**20 / out_bytes)
+    assert compute._chain_length("tanh", op, work, torch.device("cpu")) < k         # longer than the short chain
+    assert len(forward_outputs) == k
+    assert len({t.untyped_storage().data_ptr() for t in forward_outputs}) == k     # all held at once
+    assert fwd == pytest.approx(1.0 / k)
+    y = op.x.detach().requires_grad_()                                             # the backward ran through all k
+    z = y
+    for _ in range(k):
+        z = torch.tanh(z)
+    torch.testing.assert_close(input_grads[0], torch.autograd.grad(z, y, torch.ones_like(z))[0])
+    assert bwd == pytest.approx(1.0 / k)
 
 
 def test_forward_chain_length_is_capped_and_side_by_side_ops_count_their_inputs(timed_outputs, monkeypatch):
@@ -70,8 +76,9 @@ def test_chain_is_long_enough_in_time_where_work_alone_would_time_one_call(timed
     assert compute._chain_length("matmul", op, work, torch.device("cpu")) == compute._MAX_CHAIN
     monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: 1.0)     # slow: work decides
     assert compute._chain_length("matmul", op, work, torch.device("cpu")) == by_work
-    _, _, bwd = compute._time_op("matmul", op, torch.device("cpu"), iters=3)
-    assert bwd == pytest.approx(1.0 / by_work)
+    _, fwd, bwd = compute._time_op("matmul", op, torch.device("cpu"), iters=3)
+    cold = math.ceil(10 * 2**20 / (64 * 512 * 4))                                  # outputs outgrow the cache first
+    assert fwd == bwd == pytest.approx(1.0 / max(by_work, cold))
 
 
 def test_one_call_is_timed_on_the_op_itself():

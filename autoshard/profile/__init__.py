@@ -39,11 +39,12 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   ``k`` side by side instead, each on an input of its own. Small or fast ops get long chains (at least 2e8 FLOPs
   or 1.6e7 bytes of work, and 3 ms of forward + backward, at most 64 ops), so that the per-op dispatch
   and autograd overheads are those of a step, not those of a lone call (one ``autograd.grad`` call
-  costs ~0.1 ms on an H100's host); large ops a chain of one. The forward is
+  costs ~0.1 ms on an H100's host); large ops a chain of one. Forward and backward are
   timed over more instances, every output held, until they write twice the last-level cache (at
   most 512): a step's forward writes activations that live until backward to memory out of cache,
-  while a short chain timed again and again writes to the same cached buffers (memory-bound ops in
-  a GPT-2 forward ran 2-4x the short chain's time on a CPU).
+  and its backward reads them back from there, while a short chain timed again and again works in
+  the same cached buffers (on a CPU, memory-bound ops in a GPT-2 forward ran 2-4x the short chain's
+  time; the backward of exp, log, tanh and sigmoid took 1.2-2x over the cold chain).
 - **Optimizer.** ``torch.optim.AdamW.step`` (torch's default implementation for the device) over
   parameter lists of several tensor counts and sizes, fitted to ``n * per_tensor + bytes * per_byte``
   (least squares on relative error, both coefficients >= 0).

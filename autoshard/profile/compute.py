@@ -305,27 +305,30 @@ def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[fl
     chain, or (an op whose output cannot be the next one's input) ``k`` side by side, each on an
     input of its own (so that backward adds no gradients up), differentiated in one call.
 
-    The forward is timed over enough instances, every output held, that what it writes outgrows
+    Both are timed over enough instances, every output held, that what the forward writes outgrows
     the last-level cache (up to :data:`_MAX_COLD_CHAIN`): a training step's forward writes its
-    activations to memory it has not touched since the last step (they live until backward), while
-    a short chain timed again and again writes to the same few cached buffers. On a CPU that made
-    memory-bound ops in a model 2-4x the short chain's time (a GPT-2 forward's adds, muls and
-    log-softmax); the backward, which reuses its gradient buffers as it goes, is timed on the short
-    chain."""
+    activations to memory it has not touched since the last step (they live until backward), and
+    its backward reads them back long after they left the cache, while a short chain timed again and
+    again works in the same few cached buffers. On a CPU the short chain made memory-bound ops in a
+    model's forward 2-4x faster than in the step (a GPT-2 forward's adds, muls and log-softmax); over
+    the cold chain the backward of exp, log, tanh and sigmoid, which read a saved tensor, took
+    1.2-2x the short chain's time (4 ranks on 2 cores), and the plans of the fidelity bench were
+    modeled a median 4% slower, nearer their measured steps."""
     work = op_work(family, op)
     k = _chain_length(family, op, work, device)
+    one = _run(op, *_instances(op, 1))
+    fresh = sum(t.numel() * t.element_size() for t in one[:1] + ([] if op.chain else [op.x]))
+    del one
+    k = min(_MAX_COLD_CHAIN, max(k, math.ceil(_cold_bytes(device) / max(fresh, 1))))
     params, inputs = _instances(op, k)
+    fwd = _median_time(lambda: _run(op, params, inputs), device, iters, 1, **_COMPUTE_TIMING)
     leaves = inputs + [p for ps in params for p in ps if p.requires_grad]
     outs = _run(op, params, inputs)
-    fresh = sum(t.numel() * t.element_size() for t in outs[:1] + ([] if op.chain else inputs[:1]))
-    k_fwd = min(_MAX_COLD_CHAIN, max(k, math.ceil(_cold_bytes(device) / max(fresh, 1))))
-    fwd_params, fwd_inputs = (params, inputs) if k_fwd == k else _instances(op, k_fwd)
-    fwd = _median_time(lambda: _run(op, fwd_params, fwd_inputs), device, iters, 1, **_COMPUTE_TIMING)
     tail = outs if not op.chain else outs[-1:]
     grads = [torch.ones_like(out) for out in tail]
     bwd = _median_time(lambda: torch.autograd.grad(tail, leaves, grads, retain_graph=True),
                        device, iters, 1, **_COMPUTE_TIMING)
-    return work, fwd / k_fwd, bwd / k
+    return work, fwd / k, bwd / k
 
 
 def _compute_sizes(family: str, device: torch.device, points: int | None) -> tuple:
