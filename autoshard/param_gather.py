@@ -5,8 +5,8 @@ must be all-gathered before use. Per use and per mesh axis that is one collectiv
 on a 2D mesh), and the gradient of the gathered copy, a partial sum over the axes ``A`` its
 consumer's computation is split over, is then all-reduced inline and split back. Where every use
 of the parameter reads it replicated and ``A`` covers ``G``, the runtime instead gathers the
-parameters of one *block* together (module path up to its layer index, ``model.layers.3``; the
-parameters used outside any block form one root group), in one all-gather over ``G``, just before
+parameters of one *block* together (a layer of a stack of layers, ``model.layers.3``: see
+:func:`gather_block`; the parameters used outside any block form one root group), in one all-gather over ``G``, just before
 the first use of any of them; in backward their gradients are reduce-scattered over ``G``
 together, in one collective that both sums them and leaves each rank its shard. What ``A`` has
 beyond ``G`` (a parameter stored ``S0`` read by a computation split over both axes) is summed
@@ -19,11 +19,10 @@ the step model (:func:`autoshard.solver.evaluate.predict`) and the plan's commun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from torch import fx
 
-from .capture import repeated_block
 from .grad_reduction import Axes, live
 from .strategy import BWD
 
@@ -36,14 +35,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ParamUse:
     """One read of a parameter: by operand ``operand`` of ``consumer``, in layout ``read``, with the
-    gradient all-reduced over the (live) mesh axes ``sync`` by that consumer's strategy."""
+    gradient all-reduced over the (live) mesh axes ``sync`` by that consumer's strategy; ``block``:
+    the consumer's :func:`gather_block`."""
 
     param: str
     consumer: str
     operand: int
     read: "ShardSpec | None"
     sync: Axes
-    module: str
+    block: str
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,31 @@ class ParamGathers:
         return {p.name: p.leftover for g in self.groups for p in g.params if p.leftover}
 
 
-def block_of(module_path: str) -> str:
-    """The repeated block a module belongs to (``model.layers.3.mlp.up_proj`` ->
-    ``model.layers.3``); ``""`` outside any block."""
-    block = repeated_block(module_path)
-    return "" if block is None else f"{block[0]}.{block[1]}" if block[0] else str(block[1])
+def gather_block(module_path: str, module_classes: Mapping[str, str]) -> str:
+    """The block a module's parameters are gathered with (``model.layers.3.mlp.up_proj`` ->
+    ``model.layers.3``); ``""`` (the root group) outside any.
+
+    A block is an entry ``prefix.i`` of a container that has submodules of its own and whose
+    class another entry of the same container shares: a layer of a stack of layers, as FSDP is
+    applied per transformer block. The entries of a heterogeneous ``nn.Sequential`` (a
+    convolution, its batch norm, the next convolution) are single layers, not blocks: their
+    parameters go with the enclosing block, or the root group, as FSDP2 wraps such a model whole.
+    ``module_classes`` maps module FQNs to class names
+    (:meth:`autoshard.capture.CapturedGraph.module_classes`)."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdecimal() and _is_block(".".join(parts[:i]), ".".join(parts[:i + 1]), module_classes):
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def _is_block(container: str, entry: str, module_classes: Mapping[str, str]) -> bool:
+    kind = module_classes.get(entry)
+    head = f"{container}." if container else ""
+    siblings = (path for path, k in module_classes.items() if k == kind and path != entry
+                and path.startswith(head) and path[len(head):].isdecimal())
+    return kind is not None and any(p.startswith(f"{entry}.") for p in module_classes) \
+        and next(siblings, None) is not None
 
 
 class StoredParam(NamedTuple):
@@ -106,7 +126,7 @@ def plan_param_gathers(stored: dict[str, StoredParam], uses: Sequence[ParamUse],
         if member is None:
             continue
         first = reads[0]
-        key = (block_of(first.module), _gather_axes(stored[name].spec, mesh_shape), stored[name].dtype)
+        key = (first.block, _gather_axes(stored[name].spec, mesh_shape), stored[name].dtype)
         groups.setdefault(key, []).append((member, first.consumer))
     ordered = sorted(groups.items(), key=lambda kv: _position(kv[1][0][1], uses))
     out = tuple(GatherGroup(block, axes, tuple(m for m, _ in members), members[0][1])
@@ -161,7 +181,8 @@ def param_uses(graph: "CapturedGraph", operands_of: Callable[[fx.Node], Sequence
                 if src in stored:
                     sync = live((a for c in s.comm if c.phase == BWD and c.kind == "all_reduce"
                                  and c.operand == f"in{j}" for a in c.axes), mesh_shape)
-                    uses.append(ParamUse(src, node.name, j, s.input_specs[j], sync, graph.module_path(node)))
+                    block = gather_block(graph.module_path(node), graph.module_classes())
+                    uses.append(ParamUse(src, node.name, j, s.input_specs[j], sync, block))
         elif node.op == "output":
             for src in node.all_input_nodes:
                 if src.name in stored:        # a parameter returned as it is: not gathered as a whole

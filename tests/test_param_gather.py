@@ -6,7 +6,7 @@ import pytest
 
 import autoshard
 from autoshard.models import build_model
-from autoshard.param_gather import ParamUse, StoredParam, block_of, plan_param_gathers
+from autoshard.param_gather import ParamUse, StoredParam, gather_block, plan_param_gathers
 from autoshard.runtime import capture_meta
 from autoshard.specs import ShardSpec
 
@@ -15,20 +15,46 @@ S01 = StoredParam(ShardSpec.parse("S01R"), "torch.float32")
 RR = ShardSpec.parse("RR")
 
 
-def _use(param: str, consumer: str, sync=(0, 1), read=RR, module: str = "h.0.mlp") -> ParamUse:
-    return ParamUse(param, consumer, 1, read, tuple(sync), module)
+def _use(param: str, consumer: str, sync=(0, 1), read=RR, block: str = "h.0") -> ParamUse:
+    return ParamUse(param, consumer, 1, read, tuple(sync), block)
 
 
-def test_block_of_module_paths():
-    assert block_of("model.layers.3.mlp.up_proj") == "model.layers.3"
-    assert block_of("transformer.h.0") == "transformer.h.0"
-    assert block_of("lm_head") == ""
-    assert block_of("") == ""
+LLAMA_CLASSES = {"": "Llama", "model": "Model", "model.layers": "ModuleList", "lm_head": "Linear",
+                 **{f"model.layers.{i}": "DecoderLayer" for i in range(3)},
+                 **{f"model.layers.{i}.mlp": "MLP" for i in range(3)},
+                 **{f"model.layers.{i}.mlp.up_proj": "Linear" for i in range(3)}}
+
+
+def test_the_gather_block_is_a_layer_of_a_stack_of_layers():
+    assert gather_block("model.layers.2.mlp.up_proj", LLAMA_CLASSES) == "model.layers.2"
+    assert gather_block("model.layers.0", LLAMA_CLASSES) == "model.layers.0"
+    assert gather_block("lm_head", LLAMA_CLASSES) == ""
+    assert gather_block("", LLAMA_CLASSES) == ""
+
+
+def test_single_layers_of_a_heterogeneous_sequential_are_not_blocks():
+    """conv, batch norm, relu, conv, ... : FSDP2 wraps such a model whole, and so does the root group
+    here, though two of its entries are convolutions (they are single layers, not stacks)."""
+    classes = {"": "CNN", "features": "Sequential", "features.0": "Conv2d", "features.1": "BatchNorm2d",
+               "features.2": "ReLU", "features.3": "Conv2d", "head": "Sequential", "head.0": "Linear"}
+    assert {gather_block(p, classes) for p in classes} == {""}
+
+
+def test_the_outermost_stack_gives_the_block():
+    """A Sequential (stem, stage, stage) whose stages are stacks of bottlenecks: the stages are
+    the blocks; with one stage, its bottlenecks are."""
+    classes = {"": "Net", "body": "Sequential", "body.0": "Conv2d", "body.1": "Stage", "body.2": "Stage",
+               "body.1.0": "Bottleneck", "body.1.0.conv": "Conv2d", "body.1.1": "Bottleneck",
+               "body.1.1.conv": "Conv2d", "body.2.0": "Bottleneck", "body.2.0.conv": "Conv2d"}
+    assert gather_block("body.1.1.conv", classes) == "body.1"
+    assert gather_block("body.0", classes) == ""
+    one_stage = {p: k for p, k in classes.items() if not p.startswith("body.2")}
+    assert gather_block("body.1.1.conv", one_stage) == "body.1.1"
 
 
 def test_parameters_of_a_block_are_gathered_together_before_their_first_use():
-    uses = [_use("w_emb", "emb", module="wte"), _use("w1", "fc1"), _use("w2", "fc2"),
-            _use("w3", "fc3", module="h.1.mlp"), _use("w_head", "head", module="lm_head")]
+    uses = [_use("w_emb", "emb", block=""), _use("w1", "fc1"), _use("w2", "fc2"),
+            _use("w3", "fc3", block="h.1"), _use("w_head", "head", block="")]
     stored = {u.param: S01 for u in uses}
     gathers = plan_param_gathers(stored, uses, MESH)
     assert [(g.block, [p.name for p in g.params], g.first_use) for g in gathers.groups] == [

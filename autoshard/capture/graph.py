@@ -68,6 +68,7 @@ class CapturedGraph:
         self._read_user_inputs(args, dict(kwargs or {}))
         self._meta, self._requires_grad = self._annotate()
         self._fingerprint: str | None = None
+        self._module_classes: dict[str, str] | None = None
 
     # -- construction steps --------------------------------------------------------------------
 
@@ -230,10 +231,18 @@ class CapturedGraph:
     def module_type(self, ref: NodeRef) -> str:
         """Class name of the innermost module the node was traced in."""
         entry = _innermost_module(self.node(ref))
-        if entry is None:
-            return self._root_type
-        kind = entry[1]
-        return kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+        return self._root_type if entry is None else _class_name(entry[1])
+
+    def module_classes(self) -> dict[str, str]:
+        """FQN -> class name of every module some node was traced in (directly or in a
+        submodule), the root under ``""``."""
+        if self._module_classes is None:
+            classes = {"": self._root_type}
+            for node in self.graph.nodes:
+                for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+                    classes.setdefault(path, _class_name(kind))
+            self._module_classes = classes
+        return self._module_classes
 
     # -- whole-graph views -----------------------------------------------------------------------
 
@@ -316,6 +325,11 @@ def _with_grad(meta: Meta) -> Meta:
     if meta is None or not meta.is_floating:
         return meta
     return dataclasses.replace(meta, requires_grad=True)
+
+
+def _class_name(kind: Any) -> str:
+    """A module class as ``nn_module_stack`` records it (a type, or its qualified name)."""
+    return kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
 
 
 def _innermost_module(node: fx.Node) -> tuple[str, Any] | None:

@@ -42,7 +42,7 @@ import numpy as np
 from ..comm_cost import ALL_GATHER, REDUCE_SCATTER, collective_cost
 from ..grad_reduction import Axes, live
 from ..handlers.registry import op_info
-from ..param_gather import block_of
+from ..param_gather import gather_block
 from ..specs import ShardSpec
 from ..strategy import BWD
 from .costgraph import CGEdge, CostGraph
@@ -91,7 +91,8 @@ def param_edge_prices(cg: CostGraph) -> dict[int, ParamEdgePrice]:
         e = eg.edge
         if cg.nodes[e.src].kind != "placeholder" or e.src_member not in graph.param_fqn:
             continue
-        blocks = tuple(block_of(graph.module_path(x.dst_member)) for x in eg.edges)
+        classes = graph.module_classes()
+        blocks = tuple(gather_block(graph.module_path(x.dst_member), classes) for x in eg.edges)
         out[id(e)] = _price(cg, e, blocks)
     return out
 
