@@ -231,10 +231,22 @@ class HardwareProfile:
         its recomputed forward; 0 when not measured (the shipped GPU profiles)."""
         return 0.0 if self.checkpoint is None else self.checkpoint.seconds(n_saved)
 
+    def dispatch_seconds(self) -> float:
+        """Seconds of an op that moves no data (a split the runtime takes as a view, along a dim
+        nothing is outside of) on ranks whose ops run on the host (CPU ranks): the smallest measured
+        time of a ``pointwise`` curve (float32's where measured), what any op costs to dispatch
+        whatever its dtype; 0 without a measurement. 0 on devices with memory of their own (GPUs): a
+        view launches no kernel, and the host dispatches it while the device works through its queue."""
+        if self.device_memory_separate:
+            return 0.0
+        curves = [c["pointwise"] for c in (self.compute.get("float32", {}), *self.compute.values()) if "pointwise" in c]
+        return curves[0].fwd[0] if curves else 0.0
+
     def copy_pricing_key(self, dtype: str | None) -> tuple:
-        """Everything :meth:`copy_seconds` reads for ``dtype`` (a cache key for prices built on it)."""
+        """Everything :meth:`copy_seconds` (for ``dtype``) and :meth:`dispatch_seconds` read (a cache
+        key for prices built on them)."""
         curve = None if dtype is None else self.compute.get(dtype.removeprefix("torch."), {}).get("pointwise")
-        return (self.memory_bandwidth, curve)
+        return (self.memory_bandwidth, curve, self.dispatch_seconds())
 
     def link_pricing_key(self) -> tuple:
         """Everything :meth:`link` and :meth:`small_all_reduce_seconds` read (a cache key for collective

@@ -22,7 +22,9 @@ shard of the CURRENT spec) plus the local copies the runtime makes around it
 (:class:`~autoshard.runtime.collectives.MeshComm`), each one memory-bound pass
 (:meth:`~autoshard.hardware.HardwareProfile.copy_seconds`): a gather or a split along a dim that is
 not the shard's outermost non-trivial one lays the shard out contiguously (a split: its slice; a
-gather: its input and its output), an all-to-all stacks its blocks and concatenates what it gets,
+gather: its input and its output; a split along the outermost one is a view, which costs what an
+op costs to dispatch, :meth:`~autoshard.hardware.HardwareProfile.dispatch_seconds`, so that of two
+plans otherwise alike the one that runs fewer ops is the cheaper), an all-to-all stacks its blocks and concatenates what it gets,
 a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a partial axis starts from a
 clone or zeros. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
 broken by fewer steps. Every fitting spec is reachable from every other (all-reduce the partial
@@ -155,7 +157,7 @@ def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
                 yield comm(REDUCE_SCATTER, a, (t,), local, done.with_dim(t, spec.dims[t] + (a,)), copies(local))
         elif d is None:
             for t in targets:
-                cost = copies(local / n) if _strided(shape, t) else 0.0
+                cost = copies(local / n) if _strided(shape, t) else p.hw.dispatch_seconds()
                 yield ReshardStep(SPLIT, a, (t,), 0, cost, spec.with_dim(t, spec.dims[t] + (a,)))
             yield ReshardStep(TO_PARTIAL, a, (), 0, copies(local), spec.with_partial(spec.partial + (a,)))
         elif spec.dims[d][-1] == a:

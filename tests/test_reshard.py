@@ -52,6 +52,20 @@ def test_split_of_the_outer_dim_is_free_an_inner_one_copies_its_slice():
     assert plan("RR", "RS0", shape=(1, 8)).cost == 0.0             # a leading dim of 1: the slice is contiguous
 
 
+def test_a_split_that_is_a_view_costs_one_dispatch_on_cpu_ranks_with_measured_ops():
+    """Two plans alike but for a split the runtime takes as a view: the one that runs fewer ops is
+    the cheaper (a tie broken arbitrarily left a plan running splits a data-parallel plan avoids)."""
+    from autoshard.hardware import ComputeCurve
+
+    floor = 5e-6
+    curves = {"float32": {"pointwise": ComputeCurve((1e3, 1e6), (floor, 1e-4), (2 * floor, 2e-4))}}
+    hw = dataclasses.replace(HW, compute=curves, device_memory_separate=False)      # CPU ranks
+    assert hw.dispatch_seconds() == floor and HW.dispatch_seconds() == 0.0
+    assert dataclasses.replace(hw, device_memory_separate=True).dispatch_seconds() == 0.0    # a GPU queues ops
+    p = reshard_plan(S("RR"), S("S01R"), (8, 8), 8, (2, 2), hw, "int64")    # token ids: dispatch whatever the dtype
+    assert [s.kind for s in p.steps] == ["split", "split"] and p.cost == pytest.approx(2 * floor)
+
+
 def test_gather_of_an_inner_dim_pays_its_layout_copies():
     p = plan("RS0", "RR")
     [step] = p.steps

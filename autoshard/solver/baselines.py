@@ -397,7 +397,7 @@ def best_by_step_model(cg: CostGraph, solution: Solution, options: SolverOptions
     if family is not None:
         best.stats["note"] = (f"the best {family} plan, modeled {best.time.total * 1e3:.2f} ms per step, replaces "
                               f"the ILP's plan, modeled {solution.time.total * 1e3:.2f} ms (the ILP prices "
-                              "gradient sync linearly; the step schedule decides)")
+                              "gradient sync linearly and stops within its gap; the step schedule decides)")
     return best
 
 

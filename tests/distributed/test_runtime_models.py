@@ -106,14 +106,15 @@ def test_three_adamw_steps_match_single_device(name, kind):
     on_all_ranks(f"{name} with the {kind} plan", _run, name, kind)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_zero3_gathers_parameters_per_block(name):
+@pytest.mark.parametrize("name, blocks", [("gpt2-tiny", 2 + 1), ("llama-tiny", 2 + 1), ("cnn", 1)])
+def test_zero3_gathers_parameters_per_block(name, blocks):
     """Under cpu-gloo costs the ZeRO-3 plan computes batch-sharded, so each block's parameters are
-    all-gathered together and their gradients reduce-scattered together (FSDP's program), exactly."""
+    all-gathered together and their gradients reduce-scattered together (FSDP's program), exactly:
+    the tiny LMs' 2 layers and the root group; the CNN's conv / batch-norm Sequential entries are
+    single layers, not blocks, so its parameters are one root group (as FSDP2 wraps it)."""
     def run():
         plan = _run(name, "zero3", "cpu-gloo")
         counts = {(c.kind, tuple(c.axes), c.phase): c.count for c in plan.comm}
-        blocks = 2 + 1                     # the tiny presets' 2 layers, and the root group
         assert counts.get(("all_gather", (0, 1), "fwd")) == blocks, plan.comm
         assert counts.get(("reduce_scatter", (0, 1), "bwd")) == blocks, plan.comm
 
