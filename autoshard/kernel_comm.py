@@ -35,6 +35,10 @@ class DeviceComm(Protocol):
         """This device's block index for a dim sharded over ``axes`` (outer axis first)."""
         ...
 
+    def shard_count(self, axes: Sequence[int]) -> int:
+        """How many blocks a dim sharded over ``axes`` has."""
+        ...
+
 
 class MeshCoordinates:
     """``axis_index``/``shard_index`` from ``coord`` and ``mesh_shape`` (shared by both implementations)."""
@@ -50,3 +54,11 @@ class MeshCoordinates:
         for a in axes:                   # outer axis first
             idx = idx * self.mesh_shape[a] + self.coord[a]
         return idx
+
+    def shard_count(self, axes: Sequence[int]) -> int:
+        # A loop, not math.prod over a generator: kernels run under torch.compile, and dynamo
+        # breaks the graph on a generator passed to a call.
+        n = 1
+        for a in axes:
+            n *= self.mesh_shape[a]
+        return n

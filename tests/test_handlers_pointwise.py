@@ -1,6 +1,7 @@
 """Pointwise, dropout, reduction and softmax handlers: rules, and every strategy simulated."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import pytest
@@ -247,6 +248,9 @@ def test_coordinated_random_keeps_this_devices_block_of_the_single_device_draw()
             for a in axes:
                 index = index * self.mesh_shape[a] + self.coord[a]
             return index
+
+        def shard_count(self, axes):
+            return math.prod(self.mesh_shape[a] for a in axes)
 
     torch.manual_seed(3)
     whole = torch.ops.aten.rand.default([4, 6])

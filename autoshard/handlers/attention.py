@@ -120,13 +120,11 @@ def dropout_row_block_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     it (``dropout`` of ones), and this device keeps its block (dim ``d`` split over mesh axes
     ``noise_dims[d]``). Causal rows are offset by this device's block of query rows
     (``row_axes``), as in :func:`causal_row_block_sdpa`."""
-    import math
-
     noise = aten.dropout.default(torch.ones(tuple(noise_shape), dtype=query.dtype, device=query.device),
                                  dropout_p, True)
     for d, axes in enumerate(noise_dims):
         if axes:
-            noise = noise.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]
+            noise = noise.chunk(comm.shard_count(axes), d)[comm.shard_index(axes)]
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         group = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)

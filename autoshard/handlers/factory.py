@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from typing import Any, Sequence
 
 import torch
@@ -71,7 +70,7 @@ def coordinated_random(target: Any, args: tuple, kwargs: dict, *, dims: Sequence
     t = target(*args, **kwargs)
     for d, axes in enumerate(dims):
         if axes:
-            t = t.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]
+            t = t.chunk(comm.shard_count(axes), d)[comm.shard_index(axes)]
     return t.contiguous()
 
 
@@ -102,7 +101,7 @@ def local_arange(start: Any, end: Any, step: Any, *, numel: int, axes: Sequence[
                  dtype: torch.dtype, device: Any = None, layout: Any = None, pin_memory: Any = None,
                  comm: Any) -> torch.Tensor:
     """This device's block of ``arange(start, end, step)`` (``numel`` values, sharded over ``axes``)."""
-    block = numel // math.prod(comm.mesh_shape[a] for a in axes)
+    block = numel // comm.shard_count(axes)
     first = comm.shard_index(axes) * block
     if not dtype.is_floating_point and isinstance(start, int) and isinstance(step, int):
         lo = start + first * step

@@ -112,7 +112,7 @@ class _SyncBatchNorm(torch.autograd.Function):
                 comm: DeviceComm, axes: tuple[int, ...]):
         reduce = [0, *range(2, x.ndim)]
         view = [1, -1] + [1] * (x.ndim - 2)
-        shards = math.prod(comm.mesh_shape[a] for a in axes)
+        shards = comm.shard_count(axes)
         n_local = x.numel() // x.shape[1]
         count = n_local * shards
         xs = x.detach().to(_stat_dtype(x.dtype))

@@ -119,8 +119,6 @@ def coordinated_dropout(input: torch.Tensor, p: float, train: "bool | None", *, 
     ``dims[d]``), with the mask the single-device op would draw: the op runs on a global tensor of
     ones (same RNG draws, same kernel), and this device multiplies its block by its block of the
     result. ``op``: ``'dropout'`` (returns the output) or ``'native_dropout'`` (output and mask)."""
-    import math
-
     ones = torch.ones(global_shape, dtype=input.dtype, device=input.device)
     if op == "native_dropout":
         noise, mask = aten.native_dropout.default(ones, p, train)
@@ -130,7 +128,7 @@ def coordinated_dropout(input: torch.Tensor, p: float, train: "bool | None", *, 
     def block(t: torch.Tensor) -> torch.Tensor:
         for d, axes in enumerate(dims):
             if axes:
-                t = t.chunk(math.prod(comm.mesh_shape[a] for a in axes), d)[comm.shard_index(axes)]  # type: ignore[attr-defined]
+                t = t.chunk(comm.shard_count(axes), d)[comm.shard_index(axes)]  # type: ignore[attr-defined]
         return t.clone()           # its own storage: the global mask is freed, only the block is saved
 
     out = input * block(noise)

@@ -157,7 +157,7 @@ class MeshComm(MeshCoordinates):
 
     def gather_flat(self, piece: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
         """All-gather equal flat pieces over ``axes`` (block order = shard index): the flat whole."""
-        n = math.prod(self.mesh_shape[a] for a in axes)
+        n = self.shard_count(axes)
         out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
         self.counter.add("all_gather", tuple(axes), phase, _nbytes(out))
         self.wait(dist.all_gather_single(out, piece.contiguous().reshape(-1), group=self.group(tuple(axes)),
@@ -167,7 +167,7 @@ class MeshComm(MeshCoordinates):
     def reduce_scatter_flat(self, whole: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
         """Sum ``n`` equal flat blocks over ``axes`` and keep block ``shard index`` (the inverse of
         :meth:`gather_flat`)."""
-        n = math.prod(self.mesh_shape[a] for a in axes)
+        n = self.shard_count(axes)
         whole = whole.contiguous().reshape(-1)
         out = torch.empty(whole.numel() // n, dtype=whole.dtype, device=whole.device)
         self.counter.add("reduce_scatter", tuple(axes), phase, _nbytes(whole))
@@ -329,7 +329,7 @@ class _GatherParams(torch.autograd.Function):
     def forward(ctx, comm: MeshComm, axes: tuple[int, ...], dims: tuple[int, ...],  # type: ignore[override]
                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = math.prod(comm.mesh_shape[a] for a in axes)
+        n = comm.shard_count(axes)
         moved = [s.detach().movedim(d, 0) for s, d in zip(shards, dims)]
         if param_dtype is not None:
             moved = [m.to(param_dtype) for m in moved]
@@ -415,7 +415,7 @@ def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ..
     """This rank's block of a global tensor: dim ``d`` split over mesh axes ``dims[d]``."""
     for d, axes in enumerate(dims):
         if axes:
-            n = math.prod(comm.mesh_shape[a] for a in axes)
+            n = comm.shard_count(axes)
             x = x.chunk(n, d)[comm.shard_index(axes)]
     return x.contiguous() if not x.is_contiguous() else x
 
@@ -429,7 +429,7 @@ def gather_whole(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], .
         live = comm.live_axes(axes)
         if not live:
             continue
-        n = math.prod(comm.mesh_shape[a] for a in live)
+        n = comm.shard_count(live)
         src = x.movedim(d, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, src, group=comm.group(live))
