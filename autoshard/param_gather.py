@@ -6,9 +6,10 @@ on a 2D mesh), and the gradient of the gathered copy, a partial sum over the axe
 consumer's computation is split over, is then all-reduced inline and split back. Where every use
 of the parameter reads it replicated and ``A`` covers ``G``, the runtime instead gathers the
 parameters of one *block* together (a layer of a stack of layers, ``model.layers.3``: see
-:func:`gather_block`; the parameters used outside any block form one root group), in one all-gather over ``G``, just before
-the first use of any of them; in backward their gradients are reduce-scattered over ``G``
-together, in one collective that both sums them and leaves each rank its shard. What ``A`` has
+:func:`gather_blocks`; the parameters used outside any block form one root group), in one
+all-gather over ``G``, just before the first use of any of them; in backward their gradients are
+reduce-scattered over ``G`` together, in one collective that both sums them and leaves each rank
+its shard. What ``A`` has
 beyond ``G`` (a parameter stored ``S0`` read by a computation split over both axes) is summed
 after backward with the bucketed gradients.
 
@@ -18,6 +19,7 @@ the step model (:func:`autoshard.solver.evaluate.predict`) and the plan's commun
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
@@ -79,31 +81,30 @@ class ParamGathers:
         return {p.name: p.leftover for g in self.groups for p in g.params if p.leftover}
 
 
-def gather_block(module_path: str, module_classes: Mapping[str, str]) -> str:
-    """The block a module's parameters are gathered with (``model.layers.3.mlp.up_proj`` ->
-    ``model.layers.3``); ``""`` (the root group) outside any.
-
-    A block is an entry ``prefix.i`` of a container that has submodules of its own and whose
-    class another entry of the same container shares: a layer of a stack of layers, as FSDP is
-    applied per transformer block. The entries of a heterogeneous ``nn.Sequential`` (a
-    convolution, its batch norm, the next convolution) are single layers, not blocks: their
-    parameters go with the enclosing block, or the root group, as FSDP2 wraps such a model whole.
+def gather_blocks(module_classes: Mapping[str, str]) -> frozenset[str]:
+    """The module paths whose parameters are gathered together as one block: the entries
+    ``prefix.i`` of a container that have submodules of their own and whose class another entry of
+    the same container shares (a layer of a stack of layers, as FSDP is applied per transformer
+    block). The entries of a heterogeneous ``nn.Sequential`` (a convolution, its batch norm, the
+    next convolution) are single layers, not blocks: FSDP2 wraps such a model whole.
     ``module_classes`` maps module FQNs to class names
     (:meth:`autoshard.capture.CapturedGraph.module_classes`)."""
+    entries = {path: (path.rpartition(".")[0], kind) for path, kind in module_classes.items()
+               if path.rpartition(".")[2].isdecimal()}              # path -> (container, class)
+    per_class = Counter(entries.values())
+    with_submodules = {path.rpartition(".")[0] for path in module_classes if "." in path}
+    return frozenset(path for path, key in entries.items() if path in with_submodules and per_class[key] >= 2)
+
+
+def gather_block(module_path: str, blocks: frozenset[str]) -> str:
+    """The block (of :func:`gather_blocks`) a module's parameters are gathered with, the outermost
+    one it is in (``model.layers.3.mlp.up_proj`` -> ``model.layers.3``); ``""`` (the root group)
+    outside any."""
     parts = module_path.split(".") if module_path else []
     for i, part in enumerate(parts):
-        if part.isdecimal() and _is_block(".".join(parts[:i]), ".".join(parts[:i + 1]), module_classes):
+        if part.isdecimal() and ".".join(parts[:i + 1]) in blocks:
             return ".".join(parts[:i + 1])
     return ""
-
-
-def _is_block(container: str, entry: str, module_classes: Mapping[str, str]) -> bool:
-    kind = module_classes.get(entry)
-    head = f"{container}." if container else ""
-    siblings = (path for path, k in module_classes.items() if k == kind and path != entry
-                and path.startswith(head) and path[len(head):].isdecimal())
-    return kind is not None and any(p.startswith(f"{entry}.") for p in module_classes) \
-        and next(siblings, None) is not None
 
 
 class StoredParam(NamedTuple):
@@ -170,6 +171,7 @@ def param_uses(graph: "CapturedGraph", operands_of: Callable[[fx.Node], Sequence
     ``strategy_of``), in graph order: the inputs of :func:`plan_param_gathers`."""
     stored: dict[str, StoredParam] = {}
     uses: list[ParamUse] = []
+    blocks = gather_blocks(graph.module_classes())
     for node in graph.graph.nodes:
         if node.op == "placeholder" and node.name in graph.param_fqn and graph.requires_grad(node):
             spec = stored_of(node.name)
@@ -181,7 +183,7 @@ def param_uses(graph: "CapturedGraph", operands_of: Callable[[fx.Node], Sequence
                 if src in stored:
                     sync = live((a for c in s.comm if c.phase == BWD and c.kind == "all_reduce"
                                  and c.operand == f"in{j}" for a in c.axes), mesh_shape)
-                    block = gather_block(graph.module_path(node), graph.module_classes())
+                    block = gather_block(graph.module_path(node), blocks)
                     uses.append(ParamUse(src, node.name, j, s.input_specs[j], sync, block))
         elif node.op == "output":
             for src in node.all_input_nodes:

@@ -24,8 +24,8 @@ shard of the CURRENT spec) plus the local copies the runtime makes around it
 not the shard's outermost non-trivial one lays the shard out contiguously (a split: its slice; a
 gather: its input and its output; a split along the outermost one is a view, which costs what an
 op costs to dispatch, :meth:`~autoshard.hardware.HardwareProfile.dispatch_seconds`, so that of two
-plans otherwise alike the one that runs fewer ops is the cheaper), an all-to-all stacks its blocks and concatenates what it gets,
-a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a partial axis starts from a
+plans otherwise alike the one that runs fewer ops is the cheaper), an all-to-all stacks its blocks
+and concatenates what it gets, a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a partial axis starts from a
 clone or zeros. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
 broken by fewer steps. Every fitting spec is reachable from every other (all-reduce the partial
 axes and gather innermost-first down to replicated; then make the target's partial axes and split

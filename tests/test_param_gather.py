@@ -6,7 +6,7 @@ import pytest
 
 import autoshard
 from autoshard.models import build_model
-from autoshard.param_gather import ParamUse, StoredParam, gather_block, plan_param_gathers
+from autoshard.param_gather import ParamUse, StoredParam, gather_block, gather_blocks, plan_param_gathers
 from autoshard.runtime import capture_meta
 from autoshard.specs import ShardSpec
 
@@ -26,10 +26,12 @@ LLAMA_CLASSES = {"": "Llama", "model": "Model", "model.layers": "ModuleList", "l
 
 
 def test_the_gather_block_is_a_layer_of_a_stack_of_layers():
-    assert gather_block("model.layers.2.mlp.up_proj", LLAMA_CLASSES) == "model.layers.2"
-    assert gather_block("model.layers.0", LLAMA_CLASSES) == "model.layers.0"
-    assert gather_block("lm_head", LLAMA_CLASSES) == ""
-    assert gather_block("", LLAMA_CLASSES) == ""
+    blocks = gather_blocks(LLAMA_CLASSES)
+    assert blocks == {f"model.layers.{i}" for i in range(3)}
+    assert gather_block("model.layers.2.mlp.up_proj", blocks) == "model.layers.2"
+    assert gather_block("model.layers.0", blocks) == "model.layers.0"
+    assert gather_block("lm_head", blocks) == ""
+    assert gather_block("", blocks) == ""
 
 
 def test_single_layers_of_a_heterogeneous_sequential_are_not_blocks():
@@ -37,7 +39,7 @@ def test_single_layers_of_a_heterogeneous_sequential_are_not_blocks():
     here, though two of its entries are convolutions (they are single layers, not stacks)."""
     classes = {"": "CNN", "features": "Sequential", "features.0": "Conv2d", "features.1": "BatchNorm2d",
                "features.2": "ReLU", "features.3": "Conv2d", "head": "Sequential", "head.0": "Linear"}
-    assert {gather_block(p, classes) for p in classes} == {""}
+    assert gather_blocks(classes) == frozenset()
 
 
 def test_the_outermost_stack_gives_the_block():
@@ -46,10 +48,10 @@ def test_the_outermost_stack_gives_the_block():
     classes = {"": "Net", "body": "Sequential", "body.0": "Conv2d", "body.1": "Stage", "body.2": "Stage",
                "body.1.0": "Bottleneck", "body.1.0.conv": "Conv2d", "body.1.1": "Bottleneck",
                "body.1.1.conv": "Conv2d", "body.2.0": "Bottleneck", "body.2.0.conv": "Conv2d"}
-    assert gather_block("body.1.1.conv", classes) == "body.1"
-    assert gather_block("body.0", classes) == ""
+    assert gather_block("body.1.1.conv", gather_blocks(classes)) == "body.1"
+    assert gather_block("body.0", gather_blocks(classes)) == ""
     one_stage = {p: k for p, k in classes.items() if not p.startswith("body.2")}
-    assert gather_block("body.1.1.conv", one_stage) == "body.1.1"
+    assert gather_block("body.1.1.conv", gather_blocks(one_stage)) == "body.1.1"
 
 
 def test_parameters_of_a_block_are_gathered_together_before_their_first_use():

@@ -42,7 +42,7 @@ import numpy as np
 from ..comm_cost import ALL_GATHER, REDUCE_SCATTER, collective_cost
 from ..grad_reduction import Axes, live
 from ..handlers.registry import op_info
-from ..param_gather import gather_block
+from ..param_gather import gather_block, gather_blocks
 from ..specs import ShardSpec
 from ..strategy import BWD
 from .costgraph import CGEdge, CostGraph
@@ -87,12 +87,12 @@ def param_edge_prices(cg: CostGraph) -> dict[int, ParamEdgePrice]:
     its price (edges of one group share it; see :meth:`CostGraph.edge_groups`)."""
     graph = cg.graph
     out: dict[int, ParamEdgePrice] = {}
+    stacked = gather_blocks(graph.module_classes())
     for eg in cg.edge_groups():
         e = eg.edge
         if cg.nodes[e.src].kind != "placeholder" or e.src_member not in graph.param_fqn:
             continue
-        classes = graph.module_classes()
-        blocks = tuple(gather_block(graph.module_path(x.dst_member), classes) for x in eg.edges)
+        blocks = tuple(gather_block(graph.module_path(x.dst_member), stacked) for x in eg.edges)
         out[id(e)] = _price(cg, e, blocks)
     return out
 
