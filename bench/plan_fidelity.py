@@ -30,7 +30,9 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
 
    Every plan runs with ``autoshard.parallelize``; torch DDP and FSDP2 (``fully_shard`` per
    transformer block, then the root, over all 4 ranks) train the same model. A step is forward +
-   backward + AdamW step (fp32, dropout 0), timed between two barriers; medians of interleaved
+   backward + AdamW step (fp32, dropout 0), timed as a training loop runs it: back to back, from the
+   end of the step before it on rank 0 (a barrier starts each configuration's turn, none follows a
+   step; see ``runtime_speed.run_rounds``); medians of interleaved
    rounds (every configuration runs ``--settle`` untimed steps, then ``--steps`` timed ones, in turn:
    the first step after another configuration ran is slower, from caches and memory the other one
    left, which no training run that keeps one model sees). A model gets at least ``--rounds`` rounds,
@@ -443,7 +445,7 @@ def head_to_head(configs: list[Config], plans: list[dict], args: argparse.Namesp
     estimate = torch.tensor([args.steps * sum(statistics.median(t) for t, _, _ in saved)], dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
     rounds = max(args.rounds, min(2 * args.max_rounds, math.ceil(args.confirm_seconds / float(estimate))))
-    run_rounds(pair, 0, rounds, args.steps, dist.barrier, settle=args.settle)
+    run_rounds(pair, 0, rounds, args.steps, dist.barrier, settle=args.settle, back_to_back=True)
     out = {"solved": solved.name, "rival": rival.name, "rounds": rounds,
            "solved_measured": stats(solved.times), "rival_measured": stats(rival.times)}
     for c, (times, phases, settle) in zip(pair, saved):
@@ -591,7 +593,7 @@ def worker(args) -> None:
         if rank == 0:
             log(f"  timing {len(configs)} configurations: {args.warmup} warm-up + {rounds} rounds x "
                 f"{args.steps} steps each")
-        run_rounds(configs, 0, rounds, args.steps, dist.barrier, settle=args.settle)
+        run_rounds(configs, 0, rounds, args.steps, dist.barrier, settle=args.settle, back_to_back=True)
         measured = {c.name: summary(c) for c in configs}
         confirm = head_to_head(configs, plans, args) if args.confirm_seconds > 0 else None
         if rank == 0 and confirm:
@@ -846,7 +848,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                      f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
     detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
               "another profile are re-priced; measured: median (min-max) of the timed steps, rank 0's wall time "
-              "between barriers):", "",
+              "of back-to-back steps, each from the end of the one before it):", "",
               "| model | config | decisions | modeled ms | measured ms | error % | step-0 loss | note |",
               "|---|---|---|---|---|---|---|---|"]
     for m in models:
@@ -929,7 +931,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,
-                              "timing": "barrier; forward+backward+AdamW step+zero_grad; barrier (rank 0 wall time)"},
+                              "timing": "barrier; settle + steps back to back, forward+backward+AdamW step+zero_grad each, "
+                                        "a step's time from the end of the one before it (rank 0 wall time); barrier"},
                  "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
                  "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
                  "wall_s": wall_s, "loadavg_at_end": os.getloadavg()})

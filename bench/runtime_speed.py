@@ -125,10 +125,19 @@ def timed_step(cfg: Config, barrier: Callable[[], None], into: list[float] | Non
         cfg.phases.pop()             # the phase medians are of the timed steps only
 
 
-def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barrier, settle: int = 0) -> None:
+def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barrier, settle: int = 0,
+               back_to_back: bool = False) -> None:
     """``warmup`` untimed steps per configuration, then ``rounds`` rounds in which every configuration
     runs ``settle`` untimed steps (its caches and allocator back to its own steady state after the
-    others ran) and ``steps`` timed ones."""
+    others ran) and ``steps`` timed ones.
+
+    Timed steps are each between two barriers (:func:`timed_step`), or, with ``back_to_back``, run as
+    a training loop runs them: a barrier starts the configuration's turn, its steps follow each other
+    with nothing between them, and a step's time is from the end of the one before it (or the barrier)
+    to its own end on this rank. A barrier after every step adds what the ranks drifted apart in the
+    step's last stretch without a collective (its optimizer step) and the barrier itself (1-2 ms on 4
+    gloo ranks sharing 2 cores: cnn-16's data-parallel step 18.9 ms between barriers, 17.4 back to back),
+    which a loop does not pay: its next step's first collective absorbs the drift."""
     for cfg in configs:
         for _ in range(warmup):
             cfg.step()
@@ -140,10 +149,30 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
         # (a configuration run right after a memory-hungry one measured up to 30% slower)
         k = r % len(configs)
         for cfg in configs[k:] + configs[:k]:
+            if back_to_back:
+                _loop_turn(cfg, barrier, settle, steps)
+                continue
             for _ in range(settle):
                 timed_step(cfg, barrier, into=cfg.settle_times)
             for _ in range(steps):
                 timed_step(cfg, barrier)
+
+
+def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int) -> None:
+    """One configuration's turn of ``settle`` + ``steps`` back-to-back steps, each timed from the end
+    of the one before it; the settle steps' times go to ``cfg.settle_times`` (their phases dropped)."""
+    barrier()
+    last = time.perf_counter()
+    for i in range(settle + steps):
+        cfg.step()
+        now = time.perf_counter()
+        if i < settle:
+            cfg.settle_times.append(now - last)
+            cfg.phases.pop()
+        else:
+            cfg.times.append(now - last)
+        last = now
+    barrier()
 
 
 def stats(xs: list[float]) -> dict:
