@@ -6,8 +6,9 @@ mesh: every backward all-reduces the gradients in buckets, the collectives the w
 step runs between two barriers (rank 0's time is the slowest rank's); the two configurations
 alternate step by step (order swapped every other round), so that load from other processes hits
 both alike; medians, and the median of the paired differences. Besides, each rank times the watch's
-own code (the store read at every call, the store write at the start of backward) and counts the
-diagnosis reads (one per call, plus one per 0.25 s a collective runs past a wait slice).
+own code (the store read at a call, at most one per 0.25 s of calls; the store write at the start of
+backward) and counts the diagnosis reads (those of the calls, plus one per 0.25 s a collective runs
+past a wait slice).
 
 Run: python bench/step_watch_overhead.py [--rounds 40] [--baseline data_parallel]
 (re-launches itself under torchrun with 4 ranks, OMP_NUM_THREADS=1).

@@ -73,9 +73,42 @@ def test_a_rank_that_skips_is_an_error_on_it_and_then_on_every_other_rank() -> N
     with pytest.raises(SkippedBackwardError, match=r"^rank 2 did not run backward on training step 1 .*"
                                                    r"while ranks 0, 1 did.*same training loop on every rank"):
         w2.before_forward()
-    for w in (w0, w1, w2):                      # every later call, on every rank
+    with pytest.raises(SkippedBackwardError, match=r"^rank 2 did not run backward on training step 1 "):
+        w2.before_forward()                      # the rank that knows raises at every later call
+    time.sleep(POLL_S)                           # the others read the diagnosis once a slice has passed
+    for w in (w0, w1, w2):
         with pytest.raises(SkippedBackwardError, match=r"^rank 2 did not run backward on training step 1 "):
             w.before_forward()
+
+
+class _CountingStore:
+    """A store that counts ``check`` calls (the diagnosis reads)."""
+
+    def __init__(self, store: dist.HashStore) -> None:
+        self.store, self.checks = store, 0
+        self.timeout = store.timeout
+
+    def check(self, keys):
+        self.checks += 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_calls_read_the_diagnosis_at_most_once_per_slice_and_a_posted_one_reaches_the_next_read() -> None:
+    store = _CountingStore(dist.HashStore())
+    w = StepWatch("m", store=store, rank=0, world=1)
+    for _ in range(50):                          # a training loop of fast steps: one read, then none
+        w.before_forward()
+        w.backward_started(w.new_step())
+    assert store.checks == 1, store.checks
+    store.set("autoshard/steps/m/error", "rank 3 did not run backward on training step 7")
+    w.before_forward()                           # within the slice: not read yet
+    time.sleep(POLL_S)
+    with pytest.raises(SkippedBackwardError, match="rank 3 did not run backward on training step 7"):
+        w.before_forward()
+    assert store.checks == 2, store.checks
 
 
 def test_with_barrier_every_rank_raises_at_the_same_call() -> None:

@@ -69,8 +69,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     backward on the same steps (calls whose outputs need a gradient): a rank that skips one while
     others run it gets :class:`~autoshard.runtime.step_watch.SkippedBackwardError` (a
     ``ReplicaMismatchError``) at its next call, and so do the others: within a second where they wait
-    in a collective (that backward's gradient all-reduce), else at their next call. No collective is
-    added per step (a key-value store write and read); with ``"always"`` every rank waits for every
+    in a collective (that backward's gradient all-reduce), else at their first call once 0.25 s has
+    passed since they last looked. No collective is added per step (a key-value store write per step,
+    a read at most every 0.25 s of calls); with ``"always"`` every rank waits for every
     rank's word at each call and all raise at the same call. Every rank skipping backward
     (evaluation under grad mode) is fine. ``progress``: rank 0 reports each stage (capture, plan
     check, lowering, parameter shards) on stderr (:mod:`autoshard.progress`).

@@ -18,8 +18,10 @@ group's key-value store, without a collective on the normal path:
 - every other rank learns it within :data:`POLL_S`: each collective of the runtime waits in slices
   of :data:`POLL_S` (``Work.wait(timeout)`` returns as soon as the collective completes, so a
   normal step pays nothing) and, between slices and when a collective fails, reads the ``error``
-  key; each call of the model reads it too (one store read per step), which reaches ranks whose
-  plan has no backward collective to wait in.
+  key; a call of the model reads it too, at most once per :data:`POLL_S`, which reaches ranks whose
+  plan has no backward collective to wait in, within a slice of their calls. (A read at every call
+  cost up to 2 ms per call on 4 gloo ranks sharing 2 cores, where the store's server thread waits
+  for a core: ``bench/step_watch_overhead.py``.)
 
 With ``check_inputs="always"`` every rank waits at every call for every rank's word on the last
 step (a store barrier), so all ranks raise at the same call. The keys are per model (``name``, the
@@ -74,6 +76,7 @@ class StepWatch:
         self.posted: list[int] = []          # steps whose skip key this rank posted and has not deleted
         self.diagnosis: str | None = None
         self._error_key = self.prefix + "error"
+        self._next_read = 0.0                # monotonic time of the next call that reads the error key
 
     def _bwd_key(self, rank: int) -> str:
         return f"{self.prefix}bwd/{rank}"
@@ -98,8 +101,12 @@ class StepWatch:
     def before_forward(self) -> None:
         """At each call of the model, before any collective: raise :class:`SkippedBackwardError` if a
         rank diagnosed a skipped backward, or if this rank skipped the last step's backward while
-        another ran it; with ``barrier``, also if another skipped it while this rank ran it."""
-        self.check()
+        another ran it; with ``barrier``, also if another skipped it while this rank ran it. The error
+        key is read at most once per :data:`POLL_S` of calls."""
+        now = time.monotonic()
+        if self.diagnosis is not None or now >= self._next_read:    # a known diagnosis raises unread
+            self._next_read = now + POLL_S
+            self.check()
         step = self.steps - 1
         if step <= self.decided:
             return
