@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .batch_norm_modes import BATCH_NORM_MODES
+from .batch_norm_modes import BATCH_NORM_MODES, LOSS_MODES
 from .capture import CapturedGraph, TensorMeta, capture_meta
 from .enumerate import OUTPUT_MODES, enumerate_strategies
 from .hardware import HardwareProfile, load_hardware
@@ -47,7 +47,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          fallback: str = "error", merge_followers: bool = True, alias_blocks: bool = True,
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = DEFAULT_GAP, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
-         outputs: str = "global", batch_norm: str = "global", other_mode: bool = False,
+         outputs: str = "global", batch_norm: str = "global", loss: str = "global", other_mode: bool = False,
          mp_policy: Any = None) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
@@ -77,6 +77,14 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     statistics, torch DDP's function, whatever the plan: a batch split over the devices needs no
     communication; the running statistics are the mean of the shares' updates, averaged across
     ranks when read, see ``ParallelModule.sync_buffers``; recorded in ``plan.batch_norm``).
+    ``loss``: what a mean cross-entropy / nll loss divides by: ``"global"`` (the count of the whole
+    batch's counted targets, the single-device model's function: a plan that splits the rows
+    all-reduces that count, or the sum and count together, in forward) or ``"per_rank"`` (the mean
+    over the mesh's devices of each one's equal, consecutive share of the rows' own mean, torch DDP's
+    function: a batch split over the devices needs no collective for the loss; the same value where
+    no target is ignored and class weights are equal; recorded in ``plan.loss``). With
+    ``outputs="local"`` a per-rank plan also returns 0-dim outputs as produced: each rank's value,
+    whose mean over the ranks is the output (a DDP rank's loss), with no collective.
     ``other_mode``: also plan the model's graph in its other mode now (eval for a model in
     training mode), every parameter in the layout the main plan gives it, and store it in
     ``plan.other_mode`` (see :mod:`autoshard.modes`). Off by default: it costs a second capture
@@ -90,7 +98,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     (see :mod:`autoshard.precision`; recorded in ``plan.mixed_precision``). Needs an ``nn.Module``.
 
     Raises :class:`ArgumentError` (an argument of the wrong type or range, an unknown ``solver``,
-    ``fallback``, ``outputs``, ``batch_norm`` or ``baseline``, an example input with a zero-size
+    ``fallback``, ``outputs``, ``batch_norm``, ``loss`` or ``baseline``, an example input with a zero-size
     dim), :class:`MeshError` (malformed mesh, or a batch the mesh does not divide),
     :class:`~autoshard.hardware.HardwareError` (unknown profile), :class:`BudgetError`,
     :class:`~autoshard.capture.CaptureError`, :class:`~autoshard.enumerate.UnsupportedOpError`
@@ -103,6 +111,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     _check_choice("fallback", fallback, _FALLBACKS)
     _check_choice("outputs", outputs, OUTPUT_MODES)
     _check_choice("batch_norm", batch_norm, BATCH_NORM_MODES)
+    _check_choice("loss", loss, LOSS_MODES)
     if baseline is not None:
         from .solver.baselines import BASELINES
 
@@ -138,7 +147,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
             graph = _captured(model_or_graph, args, kwargs, name)
     with stages.stage(f"enumerating strategies on mesh {mesh_spec}", "enumerate_s"):
         table = enumerate_strategies(graph, mesh_shape=mesh_spec, hardware=hw, fallback=fallback, outputs=outputs,
-                                     batch_norm=batch_norm)
+                                     batch_norm=batch_norm, loss=loss)
     with stages.stage("building the cost graph", "costgraph_s"):
         cg = build_cost_graph(table, merge_followers=merge_followers, alias_blocks=alias_blocks, precision=precision)
     budget_text = "no memory budget" if budget is None else f"budget {format_bytes(budget)}/device"

@@ -154,7 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
                    time_limit=args.time_limit, gap_rel=DEFAULT_GAP if args.gap is None else args.gap,
                    progress=True, name=args.model,
                    check_batch=not args.allow_indivisible_batch, outputs=args.outputs,
-                   batch_norm=args.batch_norm)
+                   batch_norm=args.batch_norm, loss=args.loss)
     if args.mp is not None:      # plan() captures the model itself, with its parameters in the working dtype
         from .models import build_model
 
@@ -329,7 +329,7 @@ _FALLBACK_HELP = "an op with no sharding handler: error, or replicate (run whole
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .batch_norm_modes import BATCH_NORM_MODES
+    from .batch_norm_modes import BATCH_NORM_MODES, LOSS_MODES
     from .enumerate import OUTPUT_MODES
 
     p = _Parser(prog="autoshard", description=__doc__)
@@ -394,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-norm", choices=list(BATCH_NORM_MODES), default="global",
                     help="the statistics training batch norm normalises with: global (the whole batch's, as on "
                          "one device) or per_rank (each device's equal share of the batch, as torch DDP does)")
+    pl.add_argument("--loss", choices=list(LOSS_MODES), default="global",
+                    help="what a mean cross-entropy / nll loss divides by: global (the whole batch's target count, "
+                         "as on one device) or per_rank (the mean of each device's equal share's mean, as torch "
+                         "DDP computes it: no collective for the loss)")
     pl.add_argument("--mp", choices=["bf16", "fp16"], default=None,
                     help="mixed precision as FSDP2's MixedPrecisionPolicy: parameters cast to this dtype for "
                          "compute (the model's fp32 parameters are the master weights); default: none")

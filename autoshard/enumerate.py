@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import torch.fx as fx
 
-from .batch_norm_modes import batch_norm_groups
+from .batch_norm_modes import batch_norm_groups, loss_groups, returns_per_rank
 from .capture import CapturedGraph, capture
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
@@ -62,6 +62,7 @@ class StrategyTable:
     fallbacks: list[str] = field(default_factory=list)
     outputs: str = "global"      # one of OUTPUT_MODES
     batch_norm: str = "global"   # one of autoshard.batch_norm_modes.BATCH_NORM_MODES
+    loss: str = "global"         # one of autoshard.batch_norm_modes.LOSS_MODES
 
     def __getitem__(self, node_name: str) -> NodeStrategies:
         return self.nodes[node_name]
@@ -94,16 +95,19 @@ def _placeholder_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec)
     return out
 
 
-def _output_strategies(graph: CapturedGraph, node: fx.Node, outputs: str = "global"
+def _output_strategies(graph: CapturedGraph, node: fx.Node, outputs: str = "global", loss: str = "global"
                        ) -> tuple[list[Strategy], list[str]]:
     """The graph output's one strategy. ``outputs="global"``: every tensor output is consumed
     replicated. ``"local"``: a tensor output of rank >= 1 is consumed as produced (input spec
-    None: no resharding, the caller gets the producer's local shard); 0-dim outputs replicated."""
+    None: no resharding, the caller gets the producer's local shard); 0-dim outputs replicated,
+    unless ``loss="per_rank"``: then they too are consumed as produced (a pending sum is returned
+    as each rank's value, whose mean over the ranks is the output, as a DDP rank's loss)."""
     check_outputs(outputs)
     operands = [n for n in node.all_input_nodes
                 if graph.tensor_meta(n) is not None and not isinstance(graph.tensor_meta(n), tuple)]
     ranks = [len(graph.tensor_meta(n).shape) for n in operands]  # type: ignore[union-attr]
-    specs = tuple(None if outputs == "local" and r else ShardSpec.replicate(r) for r in ranks)
+    specs = tuple(None if outputs == "local" and (r or returns_per_rank(outputs, loss)) else ShardSpec.replicate(r)
+                  for r in ranks)
     name = "return replicated" if all(s is not None for s in specs) else "return local"
     return [Strategy(name, specs, (), 0.0, 0.0, (), MemoryCost())], [n.name for n in operands]
 
@@ -116,11 +120,12 @@ def check_outputs(outputs: str) -> None:
 
 def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: HardwareProfile,
                     *, fallback: str = "error", cache: dict | None = None,
-                    outputs: str = "global", batch_norm: str = "global") -> NodeStrategies:
+                    outputs: str = "global", batch_norm: str = "global", loss: str = "global") -> NodeStrategies:
     """Strategies of one node; raises UnsupportedOpError for an op with no handler. ``outputs``
     (see :data:`OUTPUT_MODES`) says how the graph's output node consumes its tensors,
     ``batch_norm`` (see :data:`autoshard.batch_norm_modes.BATCH_NORM_MODES`) which statistics
-    training batch norm uses."""
+    training batch norm uses, ``loss`` (:data:`~autoshard.batch_norm_modes.LOSS_MODES`) what a
+    mean loss divides by."""
     from .handlers import handler_for
     from .handlers.registry import op_info
 
@@ -128,7 +133,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
     if node.op in ("placeholder", "get_attr"):   # get_attr: e.g. the body of a higher-order op
         return NodeStrategies(node.name, node.op, path, _placeholder_strategies(graph, node, mesh), [])
     if node.op == "output":
-        strategies, operands = _output_strategies(graph, node, outputs)
+        strategies, operands = _output_strategies(graph, node, outputs, loss)
         return NodeStrategies(node.name, "output", path, strategies, operands)
     handler = handler_for(node.target)
     is_fallback = False
@@ -145,7 +150,8 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
                 f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
                 f"replicated (it will be reported).")
         is_fallback = True
-    op = op_info(node, graph, mesh, batch_norm_groups=batch_norm_groups(batch_norm, mesh))
+    op = op_info(node, graph, mesh, batch_norm_groups=batch_norm_groups(batch_norm, mesh),
+                 loss_groups=loss_groups(loss, mesh), returns_per_rank=returns_per_rank(outputs, loss))
     key = op.signature()
     if cache is not None and key in cache:
         strategies = cache[key]
@@ -183,14 +189,15 @@ def _refuse_inplace(graph: CapturedGraph, node: fx.Node, path: str) -> None:
 def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict | None = None, *,
                          mesh_shape: Any = (2, 2), hardware: Any = "h100-nvlink",
                          fallback: str = "error", outputs: str = "global",
-                         batch_norm: str = "global") -> StrategyTable:
+                         batch_norm: str = "global", loss: str = "global") -> StrategyTable:
     """Every sharding strategy of every node of a model (captured here) or of a CapturedGraph.
 
     ``fallback="replicate"`` runs nodes whose op has no handler replicated and lists them in
     ``table.fallbacks``; the default raises :class:`UnsupportedOpError`. ``outputs``: ``"global"``
     (the graph output consumes every tensor replicated) or ``"local"`` (tensors of rank >= 1 as
     produced; see :data:`OUTPUT_MODES`). ``batch_norm``: the statistics training batch norm
-    normalises with, ``"global"`` or ``"per_rank"`` (see :mod:`autoshard.batch_norm_modes`).
+    normalises with, ``"global"`` or ``"per_rank"`` (see :mod:`autoshard.batch_norm_modes`);
+    ``loss`` likewise what a mean classification loss divides by.
     """
     if fallback not in ("error", "replicate"):
         raise ValueError(f"fallback must be 'error' or 'replicate', got {fallback!r}")
@@ -198,6 +205,7 @@ def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict 
     graph = model_or_graph if isinstance(model_or_graph, CapturedGraph) else capture(model_or_graph, args, kwargs)
     mesh = MeshSpec.of(mesh_shape)
     batch_norm_groups(batch_norm, mesh)            # ValueError for an unknown mode
+    loss_groups(loss, mesh)
     hw = load_hardware(hardware)
     start = time.perf_counter()
     cache: dict = {}
@@ -205,8 +213,8 @@ def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict 
     fallbacks = []
     for node in graph.graph.nodes:
         ns = node_strategies(graph, node, mesh, hw, fallback=fallback, cache=cache, outputs=outputs,
-                             batch_norm=batch_norm)
+                             batch_norm=batch_norm, loss=loss)
         nodes[node.name] = ns
         if ns.fallback:
             fallbacks.append(f"{ns.op} at node '{node.name}' (module '{ns.module_path or '<root>'}')")
-    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks, outputs, batch_norm)
+    return StrategyTable(graph, mesh, hw, nodes, time.perf_counter() - start, fallbacks, outputs, batch_norm, loss)

@@ -43,7 +43,7 @@ def plan_other_mode(plan: "Plan", graph: "CapturedGraph") -> "Plan":
     mode = "eval" if plan.training else "training"
     table = enumerate_strategies(graph, mesh_shape=tuple(plan.mesh_shape), hardware=plan.hardware_profile(),
                                  fallback="replicate" if plan.fallbacks else "error", outputs=plan.outputs,
-                                 batch_norm=plan.batch_norm)
+                                 batch_norm=plan.batch_norm, loss=plan.loss)
     strategy_of: dict[str, int] = {}
     for ns in table:
         main = plan.nodes.get(ns.node)

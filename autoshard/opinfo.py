@@ -59,7 +59,8 @@ class OpInfo:
     """A node as a handler sees it."""
 
     def __init__(self, node: fx.Node, graph: "CapturedGraph", mesh: MeshSpec, *, free: bool = False,
-                 grad_copies: bool = False, batch_norm_groups: int = 1):
+                 grad_copies: bool = False, batch_norm_groups: int = 1, loss_groups: int = 1,
+                 returns_per_rank: bool = False):
         self.node = node
         self.graph = graph
         self.mesh = mesh
@@ -68,6 +69,11 @@ class OpInfo:
         # training batch norm normalises each of this many equal, consecutive slices of the batch
         # with its own statistics (1: the whole batch; see autoshard.handlers.norms)
         self.batch_norm_groups = batch_norm_groups
+        # a mean classification loss averages this many equal, consecutive slices of its rows'
+        # own means (1: the whole batch's mean; see autoshard.handlers.loss)
+        self.loss_groups = loss_groups
+        # the graph returns 0-dim outputs as each rank's value (outputs="local", loss="per_rank")
+        self.returns_per_rank = returns_per_rank
         self.operand_nodes: list[fx.Node] = []
         self.operands: list["TensorMeta"] = []
         for n in tensor_operand_nodes(node):
@@ -155,7 +161,17 @@ class OpInfo:
             # rules may read this graph fact (index tensors built from an arange)
             tuple(self.operand_arange_dim(j) for j in range(len(self.operands))),
             self.batch_norm_groups,
+            self.loss_groups,
+            self.keeps_partial_outputs,
         )
+
+    @property
+    def keeps_partial_outputs(self) -> bool:
+        """Outputs left as pending sums, not all-reduced: 0-dim outputs that only the graph's return
+        reads, where it returns them as each rank's value (see ``autoshard.plan(..., loss=)``)."""
+        return (self.returns_per_rank and bool(self.outputs)
+                and all(m is not None and not m.shape for m in self.outputs)
+                and all(user.op == "output" for user in self.node.users))
 
     def profile(self) -> OpProfile:
         if self.free:

@@ -262,6 +262,9 @@ def expand(op: "OpInfo", options: Sequence[AxisOption], hw: "HardwareProfile",
         if built is None:
             continue
         in_specs, out_specs, out_partial = built
+        if op.keeps_partial_outputs:        # returned as pending sums: no all-reduce, the spec says so
+            out_specs = [s if s is None or not p else s.with_partial(p) for s, p in zip(out_specs, out_partial)]
+            out_partial = [() for _ in out_partial]
         if not (_fits(in_specs, op.operands, mesh_shape) and _fits(out_specs, op.outputs, mesh_shape)):
             continue
         key = (tuple(in_specs), tuple(out_specs), tuple(out_partial))

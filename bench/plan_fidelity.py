@@ -7,8 +7,9 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
 2. One torchrun launch of 4 ranks measures everything else. Per model (GPT-2, Llama, BERT at two
    widths, 4 layers; the ``cnn`` preset at two widths with its cross-entropy loss computed inside
    the captured graph, planned ``batch_norm="per_rank"`` (each rank's share of the batch, as torch
-   DDP normalises), and once more, ``cnnsync-16``, with the default global batch statistics), rank
-   0 makes the autoshard plans and broadcasts them:
+   DDP normalises), and once more, ``cnnsync-16``, with the default global batch statistics; every
+   model planned ``loss="per_rank"``, the mean loss torch DDP and FSDP2 compute: each rank's mean
+   over its share, averaged), rank 0 makes the autoshard plans and broadcasts them:
 
    - the three baselines (``baseline="data_parallel" | "megatron" | "zero3"``) and the solved plan;
    - the plan solved under budgets of 80%, 60% and 40% of the solved plan's modeled peak (skipped,
@@ -38,8 +39,8 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    left, which no training run that keeps one model sees). A model gets at least ``--rounds`` rounds,
    more (up to ``--max-rounds``) where its rounds are short, so that its timed steps last about
    ``--timed-seconds`` (the number of rounds from the last warm-up step of each configuration: a
-   CNN's 20 ms steps get as many samples as the machine's noise needs, for the time of a few LM steps). Step 0 is the global batch's loss
-   for every configuration (DDP/FSDP2: the mean of the ranks' losses on their equal shares).
+   CNN's 20 ms steps get as many samples as the machine's noise needs, for the time of a few LM steps). Step 0's
+   loss is the mean of the ranks' losses for every configuration (each rank returns its own).
 
 Per model: Spearman rank correlation of modeled vs measured step time over the distinct autoshard
 plans that ran, median and worst |modeled - measured| / measured, the solved plan's measured time over the
@@ -133,6 +134,15 @@ def batch_norm_mode(key: str) -> str:
     (``cnnsync-*``, and the LMs, which have no batch norm) autoshard's default, the whole batch's
     statistics (the single-device function, which torch computes with SyncBatchNorm)."""
     return "per_rank" if key.startswith("cnn-") else "global"
+
+
+LOSS = "per_rank"     # a mean loss is each rank's share's mean, averaged, as DDP and FSDP2 compute it (plan(loss=...))
+
+
+def function_options(key: str) -> dict[str, str]:
+    """The ``autoshard.plan`` options that fix the function a model's plans compute: its batch norm's
+    statistics (:func:`batch_norm_mode`) and its mean loss's (:data:`LOSS`)."""
+    return {"batch_norm": batch_norm_mode(key), "loss": LOSS}
 
 
 def model_spec(key: str) -> tuple[str, dict]:
@@ -259,13 +269,13 @@ class Repricer:
     profile picked (follower merging keeps one follower strategy per producer strategy, chosen by
     cost); then the unmerged cost graph prices it."""
 
-    def __init__(self, graph, hw, options, batch_norm: str) -> None:
+    def __init__(self, graph, hw, options, functions: dict[str, str]) -> None:
         import autoshard
         from autoshard.solver import build_cost_graph
 
         self.options = options
         self.table = autoshard.enumerate_strategies(graph, mesh_shape=MESH, hardware=hw, outputs=OUTPUTS,
-                                                    batch_norm=batch_norm)
+                                                    **functions)
         self.cg = build_cost_graph(self.table)
         self._unmerged = None
 
@@ -297,7 +307,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     hw = autoshard.load_hardware(hw_path)
     options = SolverOptions(memory_budget=int(hw.memory_per_device))    # what autoshard.plan uses by default
     plans: list[dict] = []
-    common = dict(mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS, batch_norm=batch_norm_mode(key))
+    common = dict(mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS, **function_options(key))
 
     def plain(**kw):
         return lambda: (autoshard.plan(graph, **common, **kw), None, {})
@@ -307,7 +317,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     plans.append(plan_entry("solved", "solved", plain()))
     solved = plans[-1]
     log("  building the measured profile's cost graph (re-pricing, perturbations)")
-    repricer = Repricer(graph, hw, options, batch_norm_mode(key))
+    repricer = Repricer(graph, hw, options, function_options(key))
     if "plan" in solved:
         # Self-check: re-pricing the solved plan must give its own modeled time.
         sol, how = repricer.price(Plan.from_dict(solved["plan"]))
@@ -326,8 +336,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
 
     for prof in OTHER_PROFILES:
         def other(prof=prof):
-            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key, outputs=OUTPUTS,
-                               batch_norm=batch_norm_mode(key))
+            p = autoshard.plan(graph, mesh=MESH, hardware=prof, name=key, outputs=OUTPUTS, **function_options(key))
             sol, how = repricer.price(p)
             return p, sol.time.total, {"solved_under": prof, "modeled_own_profile_s": p.time["total"],
                                        "repriced_on": f"{how} cost graph", "_breakdown": sol.time.to_dict(),
@@ -469,13 +478,16 @@ def guarded(make: Callable[[], Config], name: str, rank: int) -> tuple[Config | 
 
 
 def autoshard_config(name: str, key: str, plan_dict: dict, graph, mesh) -> Config:
+    import torch.distributed as dist
+
     import autoshard
     from autoshard.plans import Plan
 
     model, kwargs = build(key)
     plan = Plan.from_dict(plan_dict)
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)
-    cfg = Config(name, key, LossView(pm), kwargs, pm.parameters())
+    per_rank = plan.outputs == "local" and plan.loss == "per_rank"       # each rank returns its own loss
+    cfg = Config(name, key, LossView(pm), kwargs, pm.parameters(), loss_group=dist.group.WORLD if per_rank else None)
     with pm.comm.counter.recording() as counter:      # step 0: the loss check and the collectives of a step
         cfg.step()
     totals = counter.totals()
@@ -906,7 +918,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
     note = (f"4 gloo ranks on a 2x2 mesh, {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1, GLIBC_TUNABLES="
             f"{KEEP_FREED_MEMORY} (malloc keeps freed memory, as a GPU's caching allocator does). Step = forward + backward "
             f"+ AdamW step, fp32, dropout 0; autoshard plans made with outputs={OUTPUTS!r} (each rank keeps its "
-            f"shard of the logits, as DDP does; the loss is global); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
+            f"shard of the logits, as DDP does) and loss={LOSS!r} (each rank's mean loss over its share, as DDP and FSDP2 compute and return it); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
             f"interleaved rounds x {args.steps} step(s) (each turn after {args.settle} untimed step(s); rounds per model: "
@@ -927,7 +939,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
                               "models": {k: model_spec(k) for k in args.models.split(",")}, "rounds": args.rounds,
                               "max_rounds": args.max_rounds, "timed_seconds": args.timed_seconds,
-                              "confirm_seconds": args.confirm_seconds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS,
+                              "confirm_seconds": args.confirm_seconds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS, "loss": LOSS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,

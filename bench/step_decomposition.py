@@ -51,7 +51,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import RESULTS, rank_env, write  # noqa: E402
-from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, batch_norm_mode, build,  # noqa: E402
+from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
 
 ROOT = HERE.parent
@@ -131,7 +131,7 @@ def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: S
     box: list[Any] = [None]
     if rank == 0:
         box = [autoshard.plan(graph, mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS,
-                              batch_norm=batch_norm_mode(key), baseline="data_parallel").to_dict()]
+                              **function_options(key), baseline="data_parallel").to_dict()]
     dist.broadcast_object_list(box, 0)
     plan = Plan.from_dict(box[0])
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)

@@ -185,3 +185,77 @@ def test_vocab_parallel_cross_entropy_prices_its_collectives():
     extra = sorted((c.phase, c.operand, c.nbytes) for c in vocab.comm if c.operand != "out0")
     assert extra == [("bwd", "softmax sum-exp grad", 8 * 4), ("fwd", "softmax max", 8 * 4),
                      ("fwd", "softmax sum-exp", 8 * 4)]
+
+
+# -- losses planned per rank (torch DDP's mean) -----------------------------------------------------
+
+def _ddp_mean(module, x, t, groups):
+    """torch DDP's loss: the mean over ``groups`` consecutive slices of the batch of each one's mean."""
+    return torch.stack([module(xs, ts) for xs, ts in zip(x.chunk(groups), t.chunk(groups))]).mean()
+
+
+PER_RANK_CASES = {
+    "ce_ignored": (Loss(_ce()), (8, 12), _targets(12, (8,)), CE),
+    "ce_weighted_smooth": (Loss(_ce(label_smoothing=0.1), torch.rand(12) + 0.5), (8, 12), _targets(12, (8,)), CE),
+    "ce_spatial": (Loss(_ce()), (4, 8, 6), _targets(8, (4, 6), n_ignored=5), CE),
+    "nll_weighted": (Loss(lambda x, t, w: F.nll_loss(x, t, w), torch.rand(12)), (8, 12), _targets(12, (8,)),
+                     aten.nll_loss_nd.default),
+}
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["reduced", "returned_per_rank"])
+@pytest.mark.parametrize("case", list(PER_RANK_CASES))
+def test_per_rank_mean_loss_is_ddps_under_every_strategy_with_no_comm(case, returned):
+    """Planned loss="per_rank", each strategy splits only the batch (or nothing), no collective
+    counts targets, and the devices' summands add up (over the output's partial axes) to torch DDP's
+    loss, their input gradients to its gradient's blocks. Returned per rank (outputs="local"), the
+    pending sum stays in the output spec instead of an all-reduce."""
+    from autoshard.verify import run_on_simulated_mesh, shard_of
+
+    module, x_shape, target, op_target = PER_RANK_CASES[case]
+    x = _rand(*x_shape)
+    ref_x = x.detach().clone().requires_grad_()
+    want = _ddp_mean(module, ref_x, target, 4)
+    want.backward()
+    graph, _ = export_nodes(module, (x, target))
+    node = find_node(graph, op_target)
+    mesh = (2, 2)
+    spec_mesh = MeshSpec(mesh)
+    strategies = node_strategies(graph, node, spec_mesh, load_hardware("h100-nvlink"), loss="per_rank",
+                                 outputs="local" if returned else "global").strategies
+    assert {t for s in strategies for t in s.tags} == {"row0", "R"}
+    op = OpInfo(node, graph, spec_mesh, loss_groups=4, returns_per_rank=returned)
+    weight = module.weight
+    for strategy in strategies:
+        partial = tuple(a for a, tag in enumerate(strategy.tags) if tag == "row0")
+        assert [c.operand for c in strategy.comm if c.phase == "fwd"] == ([] if returned or not partial else ["out0"])
+        assert strategy.output_specs[0].partial == (partial if returned else ())
+        kernel = handler_for(node.target).kernel(op, strategy)
+        assert not kernel.uses_comm
+
+        def device(coord, comm, strategy=strategy, kernel=kernel):
+            lx = shard_of(x.detach(), strategy.input_specs[0], mesh, coord).clone().requires_grad_()
+            lt = shard_of(target, strategy.input_specs[1], mesh, coord)
+            y = kernel.target(lx, lt, weight, **kernel.kwargs)
+            y.backward()
+            return y.detach(), lx.grad
+
+        results = run_on_simulated_mesh(mesh, device)
+        for coord, (y, gx) in results.items():
+            label = f"{strategy.name} on {coord}"
+            peers = [results[c][0] for c in results if all(c[a] == coord[a] for a in range(2) if a not in partial)]
+            torch.testing.assert_close(torch.stack(peers).sum(), want.detach(), msg=label)
+            torch.testing.assert_close(gx, shard_of(ref_x.grad, strategy.input_specs[0], mesh, coord), msg=label)
+
+
+def test_per_rank_mean_loss_refuses_rows_the_mesh_does_not_divide():
+    from autoshard.opinfo import UnsupportedOpError
+
+    graph, _ = export_nodes(Loss(_ce()), (_rand(6, 12), _targets(12, (6,))))
+    with pytest.raises(UnsupportedOpError, match=r"loss='per_rank'.*6 row\(s\).*multiple of 4"):
+        node_strategies(graph, find_node(graph, CE), MeshSpec((2, 2)), load_hardware("h100-nvlink"), loss="per_rank")
+    # a sum is the same function either way: its options are the global ones
+    graph, _ = export_nodes(Loss(_ce(reduction="sum")), (_rand(6, 12), _targets(12, (6,))))
+    tags = {t for s in node_strategies(graph, find_node(graph, CE), MeshSpec((2, 2)), load_hardware("h100-nvlink"),
+                                       loss="per_rank") for t in s.tags}
+    assert "c" in tags

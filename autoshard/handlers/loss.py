@@ -21,6 +21,13 @@ class probabilities shaped like the input. Per mesh axis:
   summand of the loss (partial for every reduction; mean divides by the global denominator).
 
 Label smoothing, class weights and ``ignore_index`` follow ``aten.cross_entropy_loss`` exactly.
+
+Planned with ``loss="per_rank"`` (``op.loss_groups`` = mesh size), a mean over class-index targets
+is torch DDP's: the mean over ``groups`` equal, consecutive slices of the rows (dim 0, the batch)
+of each slice's own mean. A device then holds whole slices under every strategy offered: the rows
+split on dim 0 (partial output, no collective: each slice's denominator is the device's own) or
+replicated; one call of the op per slice it holds. Splitting another row dim or the classes would
+need collectives to count a slice's targets and is not offered.
 """
 from __future__ import annotations
 
@@ -29,9 +36,9 @@ from typing import Sequence
 
 import torch
 
-from ..opinfo import OpInfo
+from ..opinfo import OpInfo, UnsupportedOpError
 from ..specs import ShardSpec
-from ..strategy import BWD, FWD, PARTIAL, AxisOption, ExtraComm, Strategy
+from ..strategy import BWD, FWD, ONE_CALL, PARTIAL, AxisOption, ExtraComm, LocalCalls, Strategy
 from .nn_common import operand_slots, option
 from .registry import LocalKernel, default_kernel, register
 
@@ -58,6 +65,16 @@ class _Loss:
     def target_dim(self, x_dim: int) -> int:
         """The target dim aligned with input dim ``x_dim`` (not the class dim)."""
         return x_dim if self.prob_target or x_dim < self.cdim else x_dim - 1
+
+
+def _per_rank(op: OpInfo, loss: _Loss) -> bool:
+    """Planned ``loss="per_rank"`` and a mean over class-index targets: slices take their own means."""
+    return op.loss_groups > 1 and loss.reduction == MEAN and not loss.prob_target
+
+
+def _local_slices(op: OpInfo, x_spec: ShardSpec) -> int:
+    """How many of the rows' per-rank slices a device holds under input spec ``x_spec``."""
+    return op.loss_groups // x_spec.shard_factor(0, op.mesh.shape)
 
 
 def _is_ce(op: OpInfo) -> bool:
@@ -89,6 +106,14 @@ def loss_rules(op: OpInfo) -> list[AxisOption]:
     """cross_entropy_loss / nll_loss(input[N, C, *d], target, weight?, reduction, ignore_index, ...)"""
     loss = _Loss(op)
     n = len(op.operands)
+    if _per_rank(op, loss):
+        rows = loss.x_shape[0] if loss.cdim == 1 else 1
+        if rows % op.loss_groups:
+            raise UnsupportedOpError(
+                f"{op.describe()}: loss='per_rank' takes the mean of each of the mesh's {op.loss_groups} devices' "
+                f"equal share of the loss's rows, but its input has {rows} row(s) on dim 0; make the batch a "
+                f"multiple of {op.loss_groups} or plan with loss='global'")
+        return [option(n, {loss.x: 0, loss.t: 0}, (PARTIAL,), "row0", combine="partial")]
     mean_by_count = loss.reduction == MEAN and not loss.prob_target
     options = []
     for d in range(len(loss.x_shape)):
@@ -115,6 +140,12 @@ def loss_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
     """The aten op itself unless the classes are sharded or a mean needs the global denominator."""
     loss = _Loss(op)
     x_spec = strategy.input_specs[loss.x]
+    if _per_rank(op, loss):
+        weight = op.operand_nodes[loss.w] if loss.w is not None else None
+        return LocalKernel(per_rank_mean_loss, (op.operand_nodes[loss.x], op.operand_nodes[loss.t], weight),
+                           dict(slices=_local_slices(op, x_spec), groups=op.loss_groups,
+                                ignore_index=loss.ignore_index, label_smoothing=loss.label_smoothing,
+                                log_softmax=_is_ce(op)))
     class_axes = x_spec.dims[loss.cdim]
     row_axes = tuple(sorted(a for i, d in enumerate(x_spec.dims) if i != loss.cdim for a in d))
     if not class_axes and (not row_axes or loss.reduction != MEAN):
@@ -188,6 +219,26 @@ def replicated_mean_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
     return (both[0] / both[1]).to(total.dtype)
 
 
+def per_rank_mean_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, *, slices: int,
+                       groups: int, ignore_index: int, label_smoothing: float, log_softmax: bool) -> torch.Tensor:
+    """This device's summand of the mean over ``groups`` equal, consecutive row slices of each
+    slice's own mean loss: the op's own mean on each of the ``slices`` slices it holds (dim 0),
+    summed and divided by ``groups``."""
+    op = aten.cross_entropy_loss.default if log_softmax else aten.nll_loss_nd.default
+    extra = (label_smoothing,) if log_softmax else ()
+    rows = x.shape[0] // slices
+    means = [op(xs, ts, weight, MEAN, ignore_index, *extra) for xs, ts in zip(x.split(rows), target.split(rows))]
+    return torch.stack(means).sum() / groups
+
+
+def _loss_calls(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs) -> LocalCalls:
+    """Planned per rank, a device runs the op once per row slice it holds."""
+    loss = _Loss(op)
+    if not _per_rank(op, loss):
+        return ONE_CALL
+    return LocalCalls(_local_slices(op, in_specs[loss.x]))
+
+
 def _parallel_log_softmax(x: torch.Tensor, cdim: int, class_axes: tuple[int, ...], comm) -> torch.Tensor:
     """log_softmax over a class dim sharded over ``class_axes``, for this device's classes.
 
@@ -221,6 +272,6 @@ def _global_denominator(target: torch.Tensor, weight: torch.Tensor | None, ignor
 
 
 register(aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
-         aten.nll_loss2d.default, family="loss", kernel=loss_kernel,
+         aten.nll_loss2d.default, family="loss", kernel=loss_kernel, local_calls=_loss_calls,
          doc="classification loss: shard rows (N/spatial; mean uses the global target count) or "
-             "the classes (vocab-parallel log-softmax)")(loss_rules)
+             "the classes (vocab-parallel log-softmax); planned per rank, N with no comm")(loss_rules)

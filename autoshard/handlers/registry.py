@@ -119,9 +119,11 @@ def handler_for(target: Any) -> Handler | None:
     return REGISTRY.get(target) or REGISTRY.get(op_name(target))
 
 
-def op_info(node: Any, graph: Any, mesh: Any, *, batch_norm_groups: int = 1) -> OpInfo:
+def op_info(node: Any, graph: Any, mesh: Any, *, batch_norm_groups: int = 1, loss_groups: int = 1,
+            returns_per_rank: bool = False) -> OpInfo:
     """``node`` as its handler sees it (free views and gradient-copying views flagged as the
     handler registered them, so that their profile is the handler's, not a measured one)."""
     handler = handler_for(node.target)
     return OpInfo(node, graph, mesh, free=bool(handler and handler.free),
-                  grad_copies=bool(handler and handler.grad_copies), batch_norm_groups=batch_norm_groups)
+                  grad_copies=bool(handler and handler.grad_copies), batch_norm_groups=batch_norm_groups,
+                  loss_groups=loss_groups, returns_per_rank=returns_per_rank)

@@ -77,6 +77,7 @@ def plan_from_solution(cg: CostGraph, solution: Solution, *, model_name: str, op
         recompute_runs=runs,
         outputs=cg.table.outputs,
         batch_norm=cg.table.batch_norm,
+        loss=cg.table.loss,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         mixed_precision=cg.precision,
     )

@@ -73,7 +73,8 @@ def summary_lines(plan: Plan) -> list[str]:
         f"{len(plan.nodes)} nodes)",
         f"mesh {plan.mesh} ({devices} devices), hardware {plan.hardware.get('name', '?')}, "
         f"memory budget {budget}, outputs returned {_OUTPUTS_TEXT[plan.outputs]}"
-        + (", batch norm per rank (each device's share of the batch)" if plan.batch_norm == "per_rank" else ""),
+        + (", batch norm per rank (each device's share of the batch)" if plan.batch_norm == "per_rank" else "")
+        + (", mean loss per rank (the mean of each device's share's mean)" if plan.loss == "per_rank" else ""),
         "predicted peak memory per device: " + format_bytes(mem.get("peak", 0.0)) + " = "
         + _peak_formula(mem, plan.mixed_precision),
         "modeled step time: " + _fmt_time(t.get("total", 0.0)) + " = " + " + ".join(

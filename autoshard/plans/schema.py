@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..batch_norm_modes import BATCH_NORM_MODES
+from ..batch_norm_modes import BATCH_NORM_MODES, LOSS_MODES
 from ..decisions import DECISIONS, Decision
 from ..enumerate import OUTPUT_MODES
 from ..hardware import HardwareError, HardwareProfile
@@ -224,7 +224,9 @@ class Plan:
     ``inputs`` record, with no collective to gather it; plans written before the field existed
     read as ``"global"``); ``batch_norm`` (``"global"`` or ``"per_rank"``: the statistics training
     batch norm normalises with, see :mod:`autoshard.batch_norm_modes`; plans written
-    before the field existed read as ``"global"``).
+    before the field existed read as ``"global"``); ``loss`` (``"global"`` or ``"per_rank"``: what a
+    mean classification loss divides by, see :data:`autoshard.batch_norm_modes.LOSS_MODES`; likewise
+    ``"global"`` for older plans).
     """
 
     format_version: int
@@ -249,6 +251,7 @@ class Plan:
     recompute_runs: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
     outputs: str = "global"
     batch_norm: str = "global"
+    loss: str = "global"
     training: bool = True
     other_mode: "Plan | None" = None
     mixed_precision: MixedPrecision | None = None
@@ -354,9 +357,11 @@ class Plan:
         if self.outputs not in OUTPUT_MODES:
             raise PlanError(f"{source}: 'outputs' must be one of {', '.join(repr(m) for m in OUTPUT_MODES)}, "
                             f"got {self.outputs!r}. {_REPLAN}.")
-        if self.batch_norm not in BATCH_NORM_MODES:
-            raise PlanError(f"{source}: 'batch_norm' must be one of {', '.join(repr(m) for m in BATCH_NORM_MODES)}, "
-                            f"got {self.batch_norm!r}. {_REPLAN}.")
+        for field_name, modes in (("batch_norm", BATCH_NORM_MODES), ("loss", LOSS_MODES)):
+            value = getattr(self, field_name)
+            if value not in modes:
+                raise PlanError(f"{source}: '{field_name}' must be one of {', '.join(repr(m) for m in modes)}, "
+                                f"got {value!r}. {_REPLAN}.")
         try:
             HardwareProfile.from_dict(self.hardware)
         except (HardwareError, TypeError, ValueError) as e:

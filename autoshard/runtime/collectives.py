@@ -238,6 +238,12 @@ class MeshComm(MeshCoordinates):
                   ) -> torch.Tensor:
         return sync_grad(x, self, axes, grad_dtype)
 
+    def rank_share(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        """This rank's value of a sum pending over ``axes``, scaled so that the mean over the ranks
+        is the sum (a DDP rank's loss); autograd passes the gradient through unscaled, as to the
+        summand itself, so that summing the gradients over ``axes`` differentiates the sum."""
+        return _ScaleValue.apply(x, math.prod(self.mesh_shape[a] for a in axes))
+
     def cast_param(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A parameter shard cast to the working dtype (mixed precision), flagged as a parameter
         copy for activation offload; its gradient flows back to the master in the master's dtype."""
@@ -275,6 +281,18 @@ def _flag_parameter(t: torch.Tensor) -> None:
 
 
 # -- autograd wrappers ---------------------------------------------------------------------------
+
+class _ScaleValue(torch.autograd.Function):
+    """``x * factor`` forward, the gradient unscaled backward (see :meth:`MeshComm.rank_share`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: int):  # type: ignore[override]
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None
+
 
 class _AllReduce(torch.autograd.Function):
     """Sum over ``axes``; backward: the same sum ('sum') or the identity ('identity')."""

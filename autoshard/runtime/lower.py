@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..batch_norm_modes import batch_norm_groups
+from ..batch_norm_modes import batch_norm_groups, loss_groups, returns_per_rank
 from ..capture import CapturedGraph
 from ..decisions import Decision, stays_resident
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
@@ -95,6 +95,8 @@ class _Lowering:
         self.input_mode = input_mode
         self.mesh = MeshSpec.of(tuple(plan.mesh_shape))
         self.batch_norm_groups = batch_norm_groups(plan.batch_norm, self.mesh)
+        self.loss_groups = loss_groups(plan.loss, self.mesh)
+        self.returns_per_rank = returns_per_rank(plan.outputs, plan.loss)
         self.reshards: dict[tuple[str, int], ReshardEntry] = {(r.dst, r.operand): r for r in plan.reshards}
         self.out = fx.Graph()
         self.root = torch.nn.Module()
@@ -316,6 +318,8 @@ class _Lowering:
             value = value[0] if isinstance(value, list) else value
             if entry is not None:
                 value = self._reshard(value, entry)
+            elif self._per_rank_scalar(operand, specs[j]):
+                value = self.out.call_method("rank_share", (self._comm(), value, specs[j].partial))
             elif not specs[j].is_replicated() and not self._local_output(operand, specs[j]):
                 raise LoweringError(f"output '{operand.name}' is not replicated and the plan has no resharding "
                                     f"for it; the plan is inconsistent")
@@ -327,12 +331,20 @@ class _Lowering:
                              for x in (flat if isinstance(flat, (tuple, list)) else [flat])]
         self.out.output(args[0] if len(args) == 1 else args)
 
+    def _per_rank_scalar(self, operand: fx.Node, spec: ShardSpec) -> bool:
+        """A 0-dim output that a plan with ``outputs="local"`` and ``loss="per_rank"`` returns as
+        each rank's value (its pending sum scaled to the mean over the ranks, as a DDP rank's loss)."""
+        return (self.returns_per_rank and bool(spec.partial)
+                and not spec.dims and spec == self._produced(operand))
+
+    def _produced(self, operand: fx.Node) -> ShardSpec:
+        produced = self.spec_of[operand.name]
+        return produced[0] if isinstance(produced, list) else produced
+
     def _local_output(self, operand: fx.Node, spec: ShardSpec) -> bool:
         """A plan with ``outputs="local"`` returns ``operand`` as this rank's shard: the plan's
         layout for it must be the one its producer computes it in, and not a pending sum."""
-        produced = self.spec_of[operand.name]
-        produced = produced[0] if isinstance(produced, list) else produced
-        return self.plan.outputs == "local" and not spec.partial and spec == produced
+        return self.plan.outputs == "local" and not spec.partial and spec == self._produced(operand)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -345,7 +357,8 @@ class _Lowering:
 
     def _op(self, node: fx.Node) -> OpInfo:
         if node.name not in self.ops:
-            self.ops[node.name] = op_info(node, self.graph, self.mesh, batch_norm_groups=self.batch_norm_groups)
+            self.ops[node.name] = op_info(node, self.graph, self.mesh, batch_norm_groups=self.batch_norm_groups,
+                                           loss_groups=self.loss_groups, returns_per_rank=self.returns_per_rank)
         return self.ops[node.name]
 
     def _strategy(self, node: fx.Node) -> Strategy:

@@ -106,7 +106,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, args: Any = None, kwargs:
     Outputs come back as the plan was made for (``autoshard.plan(..., outputs=)``, recorded in
     ``plan.outputs``): ``"global"``, every output whole on every rank, as the model returns it;
     ``"local"``, every tensor output of rank >= 1 as this rank's shard, with no collective run to
-    gather it (0-dim outputs such as a loss are whole). The layout of the i-th output (in
+    gather it (0-dim outputs such as a loss are whole, unless the plan was made with
+    ``loss="per_rank"``: then each rank returns its own value, their mean over the ranks being the
+    output, as each DDP rank returns its share's loss). The layout of the i-th output (in
     ``torch.utils._pytree.tree_flatten`` order of what the model returns) is
     ``pmodel.output_specs[i]``: a dim sharded over mesh axis ``a`` of size ``n_a`` is cut into
     ``n_a`` equal consecutive blocks and this rank holds block ``pmodel.comm.coord[a]``; a dim
@@ -143,7 +145,8 @@ class ParallelModule(ShardedState):
     recording every collective), ``program`` (the generated ``fx.GraphModule`` of the current mode),
     ``code`` (its Python source), ``graph`` (the captured graph the plan was applied to, current
     mode), ``output_specs`` (the layout of each flat output as returned: replicated, or this rank's
-    shard; see :func:`parallelize`), ``replicas`` (how the ranks' parameter copies were made to agree),
+    shard; see :func:`parallelize`; a 0-dim output partial over some axes under ``outputs="local"``
+    and ``loss="per_rank"`` is this rank's value, whose mean over the ranks is the output), ``replicas`` (how the ranks' parameter copies were made to agree),
     ``compiled`` (the current mode's compiled program with ``compile=True``, else None).
     Under a plan made with ``batch_norm="per_rank"`` each rank updates the running statistics from
     its own share of the batch; :meth:`sync_buffers` averages them (by itself before an eval
