@@ -198,8 +198,11 @@ def profile_configs(configs: list[Config], steps: int, barrier, top: int = 25) -
     return out
 
 
-def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int, outputs: str = "global"):
-    """Rank 0 solves the plan; every rank gets it (as in examples/train_gpt2.py)."""
+def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int, outputs: str = "global", hardware: Any = HARDWARE,
+                  **options: Any):
+    """Rank 0 solves the plan of ``model`` (a module run on ``kwargs``, or a captured graph, then
+    ``kwargs`` None); every rank gets it (as in examples/train_gpt2.py). ``options``: more
+    ``autoshard.plan`` keywords (``name``, ``batch_norm``, ``loss``, ...)."""
     import torch.distributed as dist
 
     import autoshard
@@ -208,7 +211,8 @@ def plan_on_rank0(model, kwargs, mesh_shape, baseline, rank: int, outputs: str =
     box: list[Any] = [None]
     if rank == 0:
         t0 = time.perf_counter()
-        p = autoshard.plan(model, (), kwargs, mesh=mesh_shape, hardware=HARDWARE, baseline=baseline, outputs=outputs)
+        p = autoshard.plan(model, (), kwargs, mesh=mesh_shape, hardware=hardware, baseline=baseline, outputs=outputs,
+                           **options)
         box = [{"plan": p.to_dict(), "seconds": time.perf_counter() - t0}]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, 0)

@@ -53,6 +53,7 @@ sys.path.insert(0, str(HERE))
 from _common import RESULTS, rank_env, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
+from runtime_speed import plan_on_rank0  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_MODELS = "gpt2-128,gpt2-384,llama-128,llama-256,bert-128,bert-256,cnn-16,cnn-64,cnnsync-16"
@@ -122,18 +123,13 @@ def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: S
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.plans import Plan
     from autoshard.runtime import capture_meta
 
     rank = dist.get_rank()
     model, kwargs = build(key)
     graph = capture_meta(model, (), kwargs, name=key)
-    box: list[Any] = [None]
-    if rank == 0:
-        box = [autoshard.plan(graph, mesh=MESH, hardware=hw_path, name=key, outputs=OUTPUTS,
-                              **function_options(key), baseline="data_parallel").to_dict()]
-    dist.broadcast_object_list(box, 0)
-    plan = Plan.from_dict(box[0])
+    plan, _ = plan_on_rank0(graph, None, MESH, "data_parallel", rank, OUTPUTS, hw_path, name=key,
+                            **function_options(key))
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)
     plain, _ = build(key)
     runs: dict[str, tuple[torch.nn.Module, dict, torch.optim.Optimizer]] = {
