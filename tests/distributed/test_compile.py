@@ -101,6 +101,21 @@ def test_compiled_training_equals_eager(name, baseline):
     on_all_ranks(f"{name} {baseline or 'solved'} compiled with inductor", _compare, name, baseline, True)
 
 
+def _per_rank_loss_run() -> None:
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box = [autoshard.plan(_graph("gpt2-tiny"), mesh=MESH, hardware="cpu-gloo", baseline="data_parallel",
+                              outputs="local", loss="per_rank").to_dict()]
+    dist.broadcast_object_list(box, 0)
+    compiled = _compare("gpt2-tiny", "data_parallel", True, Plan.from_dict(box[0]))
+    assert compiled.output_specs[0].partial == (0, 1)       # each rank's own loss, no all-reduce
+
+
+def test_compiled_per_rank_loss_equals_eager():
+    """loss="per_rank" with local outputs (each rank's own loss, its gradient unscaled) compiles."""
+    on_all_ranks("gpt2-tiny data parallel, per-rank loss, compiled", _per_rank_loss_run)
+
+
 def _no_grad_run(name: str, baseline: str | None) -> None:
     model, args, kwargs = _model(name)
     plan, mesh = _plan(name, baseline), device_mesh(MESH)
