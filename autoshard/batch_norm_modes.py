@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .mesh import MeshSpec
 
-__all__ = ["BATCH_NORM_MODES", "LOSS_MODES", "batch_norm_groups", "loss_groups", "returns_per_rank"]
+__all__ = ["BATCH_NORM_MODES", "LOSS_MODES", "batch_norm_groups", "loss_groups", "returns_per_rank",
+           "op_function_args"]
 
 BATCH_NORM_MODES = ("global", "per_rank")
 """What training batch norm normalises with: ``"global"``, the statistics of the whole batch;
@@ -43,3 +44,10 @@ def returns_per_rank(outputs: str, loss: str) -> bool:
     """Whether a plan's graph returns 0-dim outputs (a loss) as each rank's value, whose mean over the
     ranks is the output, as each DDP rank returns its own loss: ``outputs="local"`` with ``loss="per_rank"``."""
     return outputs == "local" and loss == "per_rank"
+
+
+def op_function_args(mesh: MeshSpec, outputs: str, batch_norm: str, loss: str) -> dict[str, int | bool]:
+    """The keywords of :func:`autoshard.handlers.registry.op_info` that these modes set (the same
+    when strategies are enumerated and when a plan is lowered); ValueError for an unknown mode."""
+    return {"batch_norm_groups": batch_norm_groups(batch_norm, mesh), "loss_groups": loss_groups(loss, mesh),
+            "returns_per_rank": returns_per_rank(outputs, loss)}

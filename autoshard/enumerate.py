@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import torch.fx as fx
 
-from .batch_norm_modes import batch_norm_groups, loss_groups, returns_per_rank
+from .batch_norm_modes import op_function_args, returns_per_rank
 from .capture import CapturedGraph, capture
 from .hardware import HardwareProfile, load_hardware
 from .mesh import MeshSpec
@@ -106,7 +106,7 @@ def _output_strategies(graph: CapturedGraph, node: fx.Node, outputs: str = "glob
     operands = [n for n in node.all_input_nodes
                 if graph.tensor_meta(n) is not None and not isinstance(graph.tensor_meta(n), tuple)]
     ranks = [len(graph.tensor_meta(n).shape) for n in operands]  # type: ignore[union-attr]
-    specs = tuple(None if outputs == "local" and (r or returns_per_rank(outputs, loss)) else ShardSpec.replicate(r)
+    specs = tuple(None if (outputs == "local" and r) or returns_per_rank(outputs, loss) else ShardSpec.replicate(r)
                   for r in ranks)
     name = "return replicated" if all(s is not None for s in specs) else "return local"
     return [Strategy(name, specs, (), 0.0, 0.0, (), MemoryCost())], [n.name for n in operands]
@@ -150,8 +150,7 @@ def node_strategies(graph: CapturedGraph, node: fx.Node, mesh: MeshSpec, hw: Har
                 f"(module '{path or '<root>'}').{hint} pass fallback='replicate' to run this node "
                 f"replicated (it will be reported).")
         is_fallback = True
-    op = op_info(node, graph, mesh, batch_norm_groups=batch_norm_groups(batch_norm, mesh),
-                 loss_groups=loss_groups(loss, mesh), returns_per_rank=returns_per_rank(outputs, loss))
+    op = op_info(node, graph, mesh, **op_function_args(mesh, outputs, batch_norm, loss))
     key = op.signature()
     if cache is not None and key in cache:
         strategies = cache[key]
@@ -204,8 +203,7 @@ def enumerate_strategies(model_or_graph: Any, args: Sequence = (), kwargs: dict 
     check_outputs(outputs)
     graph = model_or_graph if isinstance(model_or_graph, CapturedGraph) else capture(model_or_graph, args, kwargs)
     mesh = MeshSpec.of(mesh_shape)
-    batch_norm_groups(batch_norm, mesh)            # ValueError for an unknown mode
-    loss_groups(loss, mesh)
+    op_function_args(mesh, outputs, batch_norm, loss)       # ValueError for an unknown mode
     hw = load_hardware(hardware)
     start = time.perf_counter()
     cache: dict = {}

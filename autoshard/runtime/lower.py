@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..batch_norm_modes import batch_norm_groups, loss_groups, returns_per_rank
+from ..batch_norm_modes import op_function_args
 from ..capture import CapturedGraph
 from ..decisions import Decision, stays_resident
 from ..grad_reduction import GradReduction, grad_nodes, plan_gradient_reduction
@@ -94,9 +94,7 @@ class _Lowering:
         self.graph, self.plan, self.comm, self.device = graph, plan, comm, device
         self.input_mode = input_mode
         self.mesh = MeshSpec.of(tuple(plan.mesh_shape))
-        self.batch_norm_groups = batch_norm_groups(plan.batch_norm, self.mesh)
-        self.loss_groups = loss_groups(plan.loss, self.mesh)
-        self.returns_per_rank = returns_per_rank(plan.outputs, plan.loss)
+        self.function_args = op_function_args(self.mesh, plan.outputs, plan.batch_norm, plan.loss)
         self.reshards: dict[tuple[str, int], ReshardEntry] = {(r.dst, r.operand): r for r in plan.reshards}
         self.out = fx.Graph()
         self.root = torch.nn.Module()
@@ -334,7 +332,7 @@ class _Lowering:
     def _per_rank_scalar(self, operand: fx.Node, spec: ShardSpec) -> bool:
         """A 0-dim output that a plan with ``outputs="local"`` and ``loss="per_rank"`` returns as
         each rank's value (its pending sum scaled to the mean over the ranks, as a DDP rank's loss)."""
-        return (self.returns_per_rank and bool(spec.partial)
+        return (bool(self.function_args["returns_per_rank"]) and bool(spec.partial)
                 and not spec.dims and spec == self._produced(operand))
 
     def _produced(self, operand: fx.Node) -> ShardSpec:
@@ -357,8 +355,7 @@ class _Lowering:
 
     def _op(self, node: fx.Node) -> OpInfo:
         if node.name not in self.ops:
-            self.ops[node.name] = op_info(node, self.graph, self.mesh, batch_norm_groups=self.batch_norm_groups,
-                                           loss_groups=self.loss_groups, returns_per_rank=self.returns_per_rank)
+            self.ops[node.name] = op_info(node, self.graph, self.mesh, **self.function_args)
         return self.ops[node.name]
 
     def _strategy(self, node: fx.Node) -> Strategy:
