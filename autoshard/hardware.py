@@ -21,7 +21,8 @@ outside its blocked layouts, slower per FLOP on a CPU) and ``attention``, bytes 
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
 costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm``
-(layer and RMS norms), ``batch_norm`` (training batch norm), ``max_pool`` and ``avg_pool`` (windowed
+(layer and RMS norms), ``batch_norm`` (training batch norm), ``sync_batch_norm`` (the runtime's
+training batch norm with statistics synchronised over devices, its local compute), ``max_pool`` and ``avg_pool`` (windowed
 pools: 40x and 15x an add per byte on a CPU) and ``loss``. Both curves are indexed by the forward
 work; ``bwd`` is the time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
@@ -113,7 +114,8 @@ COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "matmul_unaligned": "FLOPs", "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
     "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
-    "norm": "bytes", "batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes", "loss": "bytes"}
+    "norm": "bytes", "batch_norm": "bytes", "sync_batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes",
+    "loss": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
 PHASES = (Phase.FWD, Phase.BWD)

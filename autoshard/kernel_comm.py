@@ -2,6 +2,8 @@
 
 Two implementations: the thread-simulated mesh of :mod:`autoshard.verify` (single process) and the
 DeviceMesh-backed one of the runtime (torchrun ranks). Kernels are written once against this API.
+:class:`LocalComm` is a one-device mesh (every all-reduce is the tensor itself): the profile times
+a kernel's local compute with it, the collectives being priced apart.
 """
 from __future__ import annotations
 
@@ -62,3 +64,15 @@ class MeshCoordinates:
         for a in axes:
             n *= self.mesh_shape[a]
         return n
+
+
+class LocalComm(MeshCoordinates):
+    """A one-device mesh: every all-reduce returns its tensor (there is nobody to reduce with). The
+    profile runs kernels that communicate (sync batch norm) with it to time their local compute."""
+
+    coord = (0,)
+    mesh_shape = (1,)
+
+    def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, op: str = "sum",
+                   backward: str = "sum", phase: str | None = None) -> torch.Tensor:
+        return t

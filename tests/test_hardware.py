@@ -213,7 +213,7 @@ def _curve(**changes):
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
      r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, conv, conv_unaligned, attention, pointwise, "
      r"transcendental, exp, log, tanh, "
-     r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, max_pool, avg_pool, loss"),
+     r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, sync_batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
     ({"compute": {"float32": {"matmul": {"work": WORK, "fwd": FWD}}}},
      r"matmul must have exactly the keys work \(FLOPs\)"),
@@ -314,7 +314,7 @@ def _compute_node(fn, args):
     return graph, nodes[0]
 
 
-@pytest.mark.parametrize("family", list(COMPUTE_OPS))
+@pytest.mark.parametrize("family", [f for f in COMPUTE_OPS if f != "sync_batch_norm"])   # its own test, below
 def test_profiled_work_is_the_work_the_cost_model_prices(family):
     """What `autoshard profile` times an op at is what the cost model looks the op up at: FLOPs as
     opinfo counts them, or the bytes of the captured node's operands and outputs. (The functions whose
@@ -328,6 +328,30 @@ def test_profiled_work_is_the_work_the_cost_model_prices(family):
         (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
         assert strategy.compute_fwd == pytest.approx(RATE[family] * op_work(family, op), rel=1e-9)
         assert strategy.compute_bwd == pytest.approx(BWD_RATE[family] * op_work(family, op), rel=1e-9)
+
+
+def test_sync_batch_norm_is_priced_by_the_curve_of_its_kernel_at_the_local_work():
+    """The profile times the runtime's sync-BN kernel on one device; the cost model prices a training
+    batch norm whose batch is split (the strategies that run that kernel) by that curve, at the
+    local shard's bytes, which are what the profile timed; with the channels split, the op's own."""
+    sizes, (build,) = COMPUTE_OPS["sync_batch_norm"]
+    hw = linear_in_work()
+    local = build(sizes[1], torch.float32, torch.device("cpu"))
+    x = torch.cat([local.x.detach()] * 2).requires_grad_()          # the batch of two devices' shards
+    mean, var, w, b = local.params(0)
+    graph, node = _compute_node(lambda x, m, v, w, b: torch.nn.functional.batch_norm(x, m, v, w, b, training=True),
+                                (x, mean, var, w, b))
+    strategies = node_strategies(graph, node, MeshSpec((2, 1)), hw).strategies
+    synced = [s for s in strategies if s.input_specs[0].dims[0] == (0,)]
+    by_channel = [s for s in strategies if s.input_specs[0].dims[1] == (0,)]
+    assert synced and by_channel
+    for s in synced:
+        assert s.compute_fwd == pytest.approx(RATE["sync_batch_norm"] * op_work("sync_batch_norm", local), rel=1e-9)
+        assert s.compute_bwd == pytest.approx(BWD_RATE["sync_batch_norm"] * op_work("sync_batch_norm", local), rel=1e-9)
+    c = x.shape[1]
+    half_channels = (2 * x.numel() + 4 * c) * 4 / 2      # x and the output, 4 per-channel tensors: halves
+    for s in by_channel:
+        assert s.compute_fwd == pytest.approx(RATE["batch_norm"] * half_channels, rel=1e-9)
 
 
 def test_compute_uses_the_curve_of_the_family_and_the_local_work():
@@ -509,7 +533,8 @@ def test_cpu_gloo_carries_measured_compute():
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
     bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
-    ``conv_unaligned``, added after that measurement (their unaligned convolutions go by ``conv``)."""
+    ``conv_unaligned``, added after that measurement (their unaligned convolutions go by ``conv``), and
+    ``sync_batch_norm``, measured later the same way on one H200."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}
     assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - {"conv_unaligned"} for dt in hw.compute)

@@ -215,7 +215,7 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"(matmul; and with rows of no whole multiple of 16 bytes, matmul_unaligned), 3x3 F.conv2d (conv; and with channels of no whole multiple of 16, conv_unaligned), causal F.scaled_dot_product_attention (attention), the median of add and mul "
         f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), each of exp, log, tanh, sigmoid, "
         f"SiLU, GELU and tanh-GELU (their own curves), F.layer_norm (norm), training "
-        f"F.batch_norm (batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
+        f"F.batch_norm (batch_norm), the runtime's sync-BN kernel's local compute (sync_batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
         f"against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of identical ops, long enough for "
         f"2e8 FLOPs or 1.6e7 bytes and {_CHAIN_S * 1e3:g} ms of forward + backward, at most {_MAX_CHAIN} "
