@@ -339,8 +339,8 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 # The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
 # one the profile has (a profile measured before convolutions, transcendental functions, batch norm,
 # sync batch norm, pooling or the per-function elementwise curves had a curve prices them as matmuls,
-# as arithmetic, as a layer norm, as the op's own batch norm or by the transcendental median); every other family that is not free (views are)
-# goes by its bytes, as a pointwise op.
+# as arithmetic, as a layer norm, as the op's own batch norm or by the transcendental median); every
+# other family that is not free (views are) goes by its bytes, as a pointwise op.
 _CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unaligned", "matmul"), "conv": ("conv", "matmul"),
                      "conv_unaligned": ("conv_unaligned", "conv", "matmul"), "attention": ("attention",),
                      "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise"),

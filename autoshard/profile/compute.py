@@ -83,7 +83,8 @@ CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "conv_unaligned": ((32, 200, 56, 56),),
               "attention": ((8, 16, 2048, 128),), "pointwise": (33554432,), "transcendental": (33554432,),
               "norm": ((65536, 4096),), "loss": ((8192, 131072),),
-              "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),), "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
+              "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),),
+              "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
               **{name: (33554432,) for name in ELEMENTWISE_FUNCTIONS}}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-byte rate shows from ~100 MB
@@ -172,34 +173,26 @@ def _layer_norm(shape, dtype, device) -> _Op:
                                                             _leaf((h,), dtype, device, 0.1)))
 
 
-def _batch_norm(shape, dtype, device) -> _Op:
-    """Training-mode batch norm over N, H, W per channel (running statistics updated, as in training;
-    the per-channel tensors in float32, as under autocast)."""
-    c = shape[1]
-    running = (torch.zeros(c, device=device), torch.ones(c, device=device))
+def _training_batch_norm(norm: Callable[..., torch.Tensor]):
+    """Training-mode batch norm ``norm(x, running_mean, running_var, weight, bias)`` over N, H, W per
+    channel (running statistics updated, as in training; the per-channel tensors in float32, as under
+    autocast)."""
+    def build(shape, dtype, device) -> _Op:
+        c = shape[1]
+        running = (torch.zeros(c, device=device), torch.ones(c, device=device))
+        return _Op(norm, _leaf(shape, dtype, device),
+                   lambda i: (*running, _leaf((c,), torch.float32, device, 0.1, 1.0), _leaf((c,), torch.float32, device, 0.1)))
+    return build
 
-    def norm(x, mean, var, w, b):
-        return F.batch_norm(x, mean, var, w, b, training=True)
 
-    return _Op(norm, _leaf(shape, dtype, device), lambda i: (*running, _leaf((c,), torch.float32, device, 0.1, 1.0),
-                                                            _leaf((c,), torch.float32, device, 0.1)))
-
-
-def _sync_batch_norm(shape, dtype, device) -> _Op:
+def _sync_batch_norm_local(x, mean, var, w, b):
     """The runtime's sync-BN kernel (:func:`autoshard.handlers.norms.sync_batch_norm`) on a one-device
-    mesh: its local compute (statistics, normalisation, and backward's sums and input gradient),
-    several passes over the input where ``F.batch_norm`` makes one; its all-reduces are priced apart."""
+    mesh: its local compute (statistics, normalisation, backward's sums and input gradient); its
+    all-reduces are priced apart."""
     from ..handlers.norms import sync_batch_norm
     from ..kernel_comm import LocalComm
 
-    c, comm = shape[1], LocalComm()
-    running = (torch.zeros(c, device=device), torch.ones(c, device=device))
-
-    def norm(x, mean, var, w, b):
-        return sync_batch_norm(x, w, b, mean, var, True, 0.1, 1e-5, comm=comm, axes=(0,))
-
-    return _Op(norm, _leaf(shape, dtype, device), lambda i: (*running, _leaf((c,), torch.float32, device, 0.1, 1.0),
-                                                            _leaf((c,), torch.float32, device, 0.1)))
+    return sync_batch_norm(x, w, b, mean, var, True, 0.1, 1e-5, comm=LocalComm(), axes=(0,))
 
 
 def _pool(fn):
@@ -233,8 +226,8 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "gelu": (POINTWISE_UNITS, (_unary(F.gelu),)),
     "gelu_tanh": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")),)),
     "norm": (NORM_SHAPES, (_layer_norm,)),
-    "batch_norm": (IMAGE_SHAPES, (_batch_norm,)),
-    "sync_batch_norm": (IMAGE_SHAPES, (_sync_batch_norm,)),
+    "batch_norm": (IMAGE_SHAPES, (_training_batch_norm(lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=True)),)),
+    "sync_batch_norm": (IMAGE_SHAPES, (_training_batch_norm(_sync_batch_norm_local),)),
     "max_pool": (IMAGE_SHAPES, (_pool(F.max_pool2d),)),
     "avg_pool": (IMAGE_SHAPES, (_pool(F.avg_pool2d),)),
     "loss": (LOSS_SHAPES, (_cross_entropy,)),
