@@ -54,3 +54,39 @@ def test_without_a_head_to_head_the_rounds_ratio_is_the_ratio():
     s = plan_fidelity.analyse(_model(None))
     assert s["solved_over_fastest"] == s["solved_over_fastest_screen"] == pytest.approx(1.10)
     assert "head_to_head" not in s
+
+
+def test_same_function_is_the_step0_loss_within_1e_5_relative():
+    assert plan_fidelity.same_function(2.0, 2.0 + 1e-5)
+    assert not plan_fidelity.same_function(2.0, 2.0 + 1e-4)
+    assert not plan_fidelity.same_function(2.0, None) and not plan_fidelity.same_function(None, 2.0)
+    assert not plan_fidelity.same_function(2.0, float("nan"))
+
+
+def test_a_rival_computing_another_function_keeps_the_target_and_adds_a_same_function_ratio():
+    """DDP with per-rank batch-norm statistics (another step-0 loss) stays the rival the target is
+    checked against; the ratio to the fastest configuration computing the solved plan's function is
+    its own head to head's where that ran, the rounds' ratio otherwise."""
+    h2h = {"solved": "solved", "rival": "torch DDP", "rounds": 8,
+           "solved_measured": _measured(110.0), "rival_measured": _measured(90.0)}
+    model = _model(h2h)
+    model["references"]["torch DDP"]["first_loss"] = 1.5
+    s = plan_fidelity.analyse(model)
+    assert s["solved_over_fastest"] == pytest.approx(110 / 90) and not s["pass"]["solved_over_fastest"]
+    assert s["fastest_same_function"] == "data_parallel"
+    assert s["solved_over_fastest_same_function"] == s["solved_over_fastest_same_function_screen"] == pytest.approx(110 / 104)
+    assert "head_to_head_same_function" not in s
+    model["head_to_head_same_function"] = {"solved": "solved", "rival": "data_parallel", "rounds": 8,
+                                           "solved_measured": _measured(105.0), "rival_measured": _measured(103.0)}
+    s = plan_fidelity.analyse(model)
+    assert s["solved_over_fastest_same_function"] == pytest.approx(105 / 103)
+    assert s["head_to_head_same_function"]["rival"] == "data_parallel"
+    assert s["solved_over_fastest_same_function_screen"] == pytest.approx(110 / 104)
+    assert "105.0 / 103.0 ms, data_parallel" in plan_fidelity._same_function_cell("cnnsync-8", s)
+
+
+def test_a_same_function_rival_head_to_head_gives_both_ratios():
+    h2h = {"solved": "solved", "rival": "torch DDP", "rounds": 8,
+           "solved_measured": _measured(103.0), "rival_measured": _measured(101.0)}
+    s = plan_fidelity.analyse(_model(h2h))
+    assert s["solved_over_fastest_same_function"] == s["solved_over_fastest"] == pytest.approx(103 / 101)
