@@ -72,7 +72,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -296,6 +296,23 @@ class Repricer:
             return fixed_solution(self.unmerged(), strategy_of, self.options, plan.segments), "unmerged"
 
 
+def budget_points(peak: float, floor: float | None, fractions: Sequence[float]) -> list[tuple[str, int]]:
+    """The budgets the ``budget`` plans are solved under: each fraction of the solved plan's peak
+    that the smallest feasible budget (``floor``, the ILP's; None: not known) allows, and in place of
+    each one it does not, a budget spread evenly between the floor and the lowest allowed one (a model
+    whose activations dominate its memory has little room below its peak, and would otherwise run
+    fewer plans)."""
+    allowed = [f for f in fractions if floor is None or f * peak >= floor]
+    points = [(f"budget {round(100 * f)}% of solved peak", int(f * peak)) for f in allowed]
+    missing = len(fractions) - len(allowed)
+    top = min((f * peak for f in allowed), default=peak)
+    for k in range(1, missing + 1):
+        budget = floor + (top - floor) * (missing + 1 - k) / (missing + 1)
+        points.append((f"budget {100 * budget / peak:.1f}% of solved peak (above the smallest feasible)",
+                       int(math.ceil(budget))))
+    return points
+
+
 def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     """Every autoshard plan of one model (rank 0)."""
     import autoshard
@@ -303,6 +320,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     from autoshard.plans.build import plan_from_solution
     from autoshard.solver import SolverOptions, solve
     from autoshard.solver.fixed import fixed_solution
+    from autoshard.solver.ilp import minimum_budget
 
     hw = autoshard.load_hardware(hw_path)
     options = SolverOptions(memory_budget=int(hw.memory_per_device))    # what autoshard.plan uses by default
@@ -324,9 +342,9 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
         solved["reprice_selfcheck_s"] = sol.time.total
         solved["reprice_selfcheck_rel_err"] = abs(sol.time.total - solved["modeled_s"]) / solved["modeled_s"]
         peak = solved["plan"]["memory"]["peak"]
-        for f in BUDGET_FRACTIONS:
-            budget = int(f * peak)
-            plans.append(plan_entry(f"budget {round(100 * f)}% of solved peak", "budget",
+        floor, _ = minimum_budget(repricer.cg, options)
+        for name, budget in budget_points(peak, floor, BUDGET_FRACTIONS):
+            plans.append(plan_entry(name, "budget",
                                     lambda b=budget: (autoshard.plan(graph, **common, memory_budget=b), None,
                                                       {"budget_bytes": b})))
     else:

@@ -90,3 +90,16 @@ def test_a_same_function_rival_head_to_head_gives_both_ratios():
            "solved_measured": _measured(103.0), "rival_measured": _measured(101.0)}
     s = plan_fidelity.analyse(_model(h2h))
     assert s["solved_over_fastest_same_function"] == s["solved_over_fastest"] == pytest.approx(103 / 101)
+
+
+def test_budgets_below_the_smallest_feasible_one_are_spread_above_it():
+    """Fractions of the solved peak the floor allows are kept; each one it does not is replaced by a
+    budget between the floor and the lowest kept one, so the model still runs as many plans."""
+    assert plan_fidelity.budget_points(100.0, 30.0, (0.8, 0.6, 0.4)) == [
+        ("budget 80% of solved peak", 80), ("budget 60% of solved peak", 60), ("budget 40% of solved peak", 40)]
+    points = plan_fidelity.budget_points(100.0, 70.0, (0.8, 0.6, 0.4))
+    assert points[0] == ("budget 80% of solved peak", 80)
+    assert [b for _, b in points[1:]] == [77, 74]
+    assert len({name for name, _ in points}) == 3
+    spread = plan_fidelity.budget_points(100.0, 82.0, (0.8, 0.6, 0.4))
+    assert [b for _, b in spread] == [96, 91, 87] and all("above the smallest feasible" in n for n, _ in spread)
