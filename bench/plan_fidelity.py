@@ -296,13 +296,13 @@ class Repricer:
             return fixed_solution(self.unmerged(), strategy_of, self.options, plan.segments), "unmerged"
 
 
-def budget_points(peak: float, floor: float | None, fractions: Sequence[float]) -> list[tuple[str, int]]:
+def budget_points(peak: float, floor: float, fractions: Sequence[float]) -> list[tuple[str, int]]:
     """The budgets the ``budget`` plans are solved under: each fraction of the solved plan's peak
-    that the smallest feasible budget (``floor``, the ILP's; None: not known) allows, and in place of
+    that the smallest feasible budget (``floor``, the ILP's) allows, and in place of
     each one it does not, a budget spread evenly between the floor and the lowest allowed one (a model
     whose activations dominate its memory has little room below its peak, and would otherwise run
     fewer plans)."""
-    allowed = [f for f in fractions if floor is None or f * peak >= floor]
+    allowed = [f for f in fractions if f * peak >= floor]
     points = [(f"budget {round(100 * f)}% of solved peak", int(f * peak)) for f in allowed]
     missing = len(fractions) - len(allowed)
     top = min((f * peak for f in allowed), default=peak)
@@ -697,7 +697,6 @@ def _head_to_head_summary(h2h: dict | None) -> dict | None:
     mine, theirs = h2h["solved_measured"]["median_ms"], h2h["rival_measured"]["median_ms"]
     return {"rival": h2h["rival"], "rounds": h2h["rounds"], "solved_ms": mine, "rival_ms": theirs,
             "solved_over_rival": mine / theirs}
-
 
 
 def ranks(xs: list[float]) -> list[float]:
