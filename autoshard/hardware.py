@@ -38,7 +38,10 @@ measured fraction of an async all-reduce that hides behind compute (0: none, 1: 
 ``small_all_reduce`` holds measured all-reduce times per group below the sizes the links are fitted
 on (a step's loss and counts: a few bytes), where a backend may run another program (gloo's ring
 all-reduce over 4 ranks: ~1.6 ms for a loss's float64 sum and count, ~5.5 ms from 64 bytes up,
-which the fit says of 16 bytes too).
+which the fit says of 16 bytes too); ``sync_wait`` is what a blocking collective costs beyond
+its price after a stretch of compute longer than the one its price was timed after
+(:class:`SyncWait`: ranks sharing cores drift apart while they compute, and the first collective
+after waits for the last one; 0 without it).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
 
@@ -50,6 +53,7 @@ memory_bandwidth)``.
     checkpoint: {per_region: 2.0e-4, per_saved_tensor: 1.7e-5}
     overlap: 0.35
     small_all_reduce: {world: {bytes: [4, 16, 64, 256, 1024], seconds: [1.8e-3, 1.9e-3, 5.6e-3, ...]}, axis0: ...}
+    sync_wait: {gap: [2.6e-3, 5.2e-3, 1.0e-2, 2.1e-2, 4.2e-2], seconds: [0.0, 9.0e-4, 2.8e-3, 3.0e-3, 4.6e-3]}
 """
 from __future__ import annotations
 
@@ -103,6 +107,30 @@ class SmallMessages:
         if i == len(self.nbytes) - 1:
             return self.seconds[-1]
         f = (nbytes - self.nbytes[i]) / (self.nbytes[i + 1] - self.nbytes[i])
+        return self.seconds[i] + f * (self.seconds[i + 1] - self.seconds[i])
+
+
+@dataclass(frozen=True)
+class SyncWait:
+    """What a blocking collective costs beyond its measured price when the ranks computed ``gap``
+    seconds since their last collective (``gaps`` increasing, ``seconds`` each, the first 0: the
+    gap the collectives were priced at). Ranks that share CPU cores drift apart while they compute
+    (the scheduler gives each its slices unevenly), and the first collective after a long stretch
+    waits for the last rank to arrive: on 4 gloo ranks on 2 cores about 3 ms after 8-30 ms of
+    compute, against the 2.6 ms slices the collectives' prices were timed with."""
+
+    gaps: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def seconds_after(self, gap: float) -> float:
+        """The extra wait after ``gap`` seconds of compute: 0 up to the first point, piecewise-linear
+        between points, the last point's beyond it."""
+        if gap <= self.gaps[0]:
+            return 0.0
+        if gap >= self.gaps[-1]:
+            return self.seconds[-1]
+        i = bisect.bisect_right(self.gaps, gap) - 1
+        f = (gap - self.gaps[i]) / (self.gaps[i + 1] - self.gaps[i])
         return self.seconds[i] + f * (self.seconds[i + 1] - self.seconds[i])
 
 
@@ -193,6 +221,7 @@ class HardwareProfile:
     small_all_reduce: Mapping[str, SmallMessages] = field(default_factory=dict)
     # measured all-reduces below the fitted sizes (a step's loss and counts), group -> times;
     # see :meth:`small_all_reduce_seconds`
+    sync_wait: SyncWait | None = None        # measured wait of a collective after long compute; None: 0
 
     def small_all_reduce_seconds(self, group: str, nbytes: float) -> float | None:
         """Measured seconds of an all-reduce of ``nbytes`` on ``group`` (``"axis0"``, ``"axis1"``,
@@ -341,6 +370,7 @@ class HardwareProfile:
                 world=_world(d),
                 kinds=_kinds(d),
                 small_all_reduce=_small_all_reduce(d),
+                sync_wait=_sync_wait(d),
             )
         except KeyError as e:
             raise HardwareError(f"hardware profile {d.get('name', '?')!r} lacks field {e.args[0]!r}; see "
@@ -370,6 +400,8 @@ class HardwareProfile:
                           for kind, groups in self.kinds.items()}} if self.kinds else {}),
             **({"small_all_reduce": {g: {"bytes": list(t.nbytes), "seconds": list(t.seconds)}
                                      for g, t in self.small_all_reduce.items()}} if self.small_all_reduce else {}),
+            **({"sync_wait": {"gap": list(self.sync_wait.gaps), "seconds": list(self.sync_wait.seconds)}}
+               if self.sync_wait is not None else {}),
             "extra": dict(self.extra),
         }
 
@@ -467,6 +499,26 @@ def _small_all_reduce(d: Mapping) -> dict[str, SmallMessages]:
         out[str(group)] = SmallMessages(nbytes, tuple(_number(d, f"{where}.seconds[{i}]", t, "seconds")
                                                       for i, t in enumerate(times)))
     return out
+
+
+def _sync_wait(d: Mapping) -> SyncWait | None:
+    """``sync_wait: {gap: [seconds of compute, increasing], seconds: [extra wait each, the first 0]}``,
+    or None."""
+    value = d.get("sync_wait")
+    if value is None:
+        return None
+    table = _section(d, "sync_wait", {"gap": "seconds of compute since the last collective, increasing",
+                                      "seconds": "extra seconds of wait each"}, value=value)
+    gaps = _points(d, "sync_wait.gap", table["gap"], "seconds")
+    raw = table["seconds"]
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: sync_wait.seconds must be a list of "
+                            f"seconds, got {raw!r}")
+    seconds = tuple(_number(d, f"sync_wait.seconds[{i}]", t, "seconds", zero=True) for i, t in enumerate(raw))
+    if len(seconds) != len(gaps) or any(a >= b for a, b in zip(gaps, gaps[1:])):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: sync_wait needs as many seconds as gaps, "
+                            f"gaps increasing, got gap {list(table['gap'])} and seconds {table['seconds']!r}")
+    return SyncWait(gaps, seconds)
 
 
 def _number(d: Mapping, where: str, value: Any, unit: str, *, low: float = 0.0, high: float = math.inf,

@@ -17,10 +17,12 @@ The model's parts against their measured counterparts (medians over iterations):
 - compute: ``plan.time`` compute + resharding + the buckets' copies (two passes over each bucket, as
   :mod:`autoshard.solver.steptime` prices them) against the no-collective runtime's forward +
   backward, the mean over ranks;
-- ranks' spread: the slowest rank's forward + backward less the mean (not modeled: where ranks share
-  cores they progress unevenly, and a collective waits for the slowest; in a training loop part of it
-  comes back, as the ranks that wait in a collective leave the cores to the others, so this bench's
-  sum of phases, each after a barrier, is not a loop's step: the fidelity bench times those);
+- ranks' spread: the slowest rank's forward + backward less the mean, against ``plan.time`` sync_wait
+  (where ranks share cores they progress unevenly, and a collective waits for the slowest; the model
+  prices that wait per collective from the compute before it, :mod:`autoshard.solver.sync_wait`; in a
+  training loop part of the spread comes back, as the ranks that wait in a collective leave the cores
+  to the others, so this bench's sum of phases, each after a barrier, is not a loop's step: the
+  fidelity bench times those);
 - collectives: ``plan.time`` comm (the loss's all-reduce; batch-norm statistics where global) +
   gradient sync less the copies, against the runtime less the no-collective runtime's slowest rank,
   forward and backward;
@@ -200,7 +202,7 @@ def parts(r: dict) -> dict[str, tuple[float, float]]:
 
     return {
         "compute": (m["compute"] + m["reshard"] + m["bucket_copies"], fb(quiet["mean"])),
-        "spread": (0.0, fb(quiet["slowest"]) - fb(quiet["mean"])),
+        "spread": (m.get("sync_wait", 0.0), fb(quiet["slowest"]) - fb(quiet["mean"])),
         "fwd_collectives": (m["comm"], live["slowest"]["fwd"] - quiet["slowest"]["fwd"]),
         "bwd_collectives": (m["grad_sync"] - m["bucket_copies"], live["slowest"]["bwd"] - quiet["slowest"]["bwd"]),
         "optimizer": (m["optimizer"], live["mean"]["opt"]),
@@ -220,7 +222,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
         plain = r["measured_ms"]["plain"]["mean"]
         rows.append([r["model"], f"{plain['fwd'] + plain['bwd']:.1f}", _cell(p["compute"]),
                      f"{100 * (p['compute'][0] - p['compute'][1]) / p['compute'][1]:+.0f}%",
-                     f"{p['spread'][1]:.1f}", _cell(p["fwd_collectives"]), _cell(p["bwd_collectives"]),
+                     _cell(p["spread"]), _cell(p["fwd_collectives"]), _cell(p["bwd_collectives"]),
                      _cell(p["optimizer"]), _cell(p["step"]),
                      f"{100 * (p['step'][0] - p['step'][1]) / p['step'][1]:+.0f}%"])
     header = ["model", "plain fwd+bwd", "compute (+copies)", "compute err", "ranks' spread",
@@ -229,7 +231,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
             f"`{Path(args.hardware).name}`, median of {args.iters} interleaved iterations, each phase after a barrier. "
             "plain: the module on the rank's quarter of the batch (mean over ranks). compute: plan compute + "
             "resharding + the buckets' flatten and copy-back, against the runtime with every all-reduce skipped "
-            "(mean over ranks). ranks' spread: that runtime's slowest rank less the mean (not modeled). fwd "
+            "(mean over ranks). ranks' spread: modeled wait of collectives for drifted ranks against that runtime's slowest rank less the mean. fwd "
             "collectives: plan comm against the runtime less the skipped one, slowest ranks, forward; grad sync: "
             "exposed sync less the copies against the same, backward. step: the runtime's slowest-rank forward "
             "and backward plus its optimizer phase, each after a barrier (not a training loop's step, which "

@@ -20,7 +20,7 @@ __all__ = ["plain_text", "renderable", "summary_lines"]
 
 _SUMMARY_RESHARDS = 10
 
-_TIME_PARTS = ("compute", "comm", "reshard", "grad_sync", "optimizer", "recompute", "offload")
+_TIME_PARTS = ("compute", "comm", "reshard", "grad_sync", "sync_wait", "optimizer", "recompute", "offload")
 
 
 def _fmt_time(seconds: float) -> str:

@@ -18,6 +18,14 @@ _ISSUED_RUN_S = 0.05
 """Seconds per timed run of the loops of :func:`_time_collective`."""
 
 
+_SLICE_MATMULS = 4
+"""Matmuls per compute slice between two collectives in :func:`_time_collective` (about 2.6 ms on 4
+CPU ranks sharing 2 cores): the gap the collectives' prices hold the ranks' drift of."""
+
+SYNC_WAIT_SLICES = (1, 2, 4, 8, 16)
+"""Compute slices before a collective in :func:`_measure_sync_wait`, in multiples of the one the
+collectives are priced after."""
+
 MEASURED_KINDS = ("all_gather", "reduce_scatter")
 """Collective kinds timed besides the all-reduce, for their own links (a backend may run them quite
 unlike a ring: gloo's reduce-scatter costs about an all-reduce whatever the size)."""
@@ -55,12 +63,7 @@ def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int]
     others compute: where ranks share CPU cores that costs milliseconds that a lone
     barrier-synchronised all-reduce does not show (gloo, 4 ranks on 2 cores: 2-7 ms against ~0.5 ms).
     ``fewest_elements``: see :func:`_collective`."""
-    n = 1024 if device.type == "cuda" else 256
-    a = torch.randn(n, n, device=device)
-
-    def compute() -> None:
-        for _ in range(4):
-            torch.mm(a, a)
+    compute = _matmul_slice(device, _SLICE_MATMULS)
 
     def step_with(collective: Callable[[], None]) -> Callable[[], None]:
         def step() -> None:
@@ -76,6 +79,38 @@ def _time_collective(kind: str, group: "dist.ProcessGroup", sizes: Sequence[int]
         with_comm = statistics.median(r[1 + i] for r in rounds)
         out.append(max(added, 0.05 * with_comm))      # noise must not make it vanish
     return out
+
+
+def _matmul_slice(device: torch.device, count: int) -> Callable[[], None]:
+    """A slice of compute: ``count`` square matmuls (256 on CPU, 1024 on GPU)."""
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device)
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+    return compute
+
+
+def _measure_sync_wait(device: torch.device, iters: int) -> dict[str, list[float]]:
+    """Seconds of compute slices of :data:`SYNC_WAIT_SLICES` lengths (``sync_wait.gap``) and what a
+    small all-reduce over all ranks after each adds to a loop of them (``sync_wait.added``), timed in
+    the same rounds. Ranks sharing cores drift apart while they compute; the collective waits for
+    the last one, and the longer the slice the further they drift (4 gloo ranks on 2 cores: 7 ms
+    after 2.6 ms of compute, 10 after 8-30 ms)."""
+    probe = torch.ones(8, dtype=torch.float64, device=device)
+    slices = [_matmul_slice(device, _SLICE_MATMULS * k) for k in SYNC_WAIT_SLICES]
+
+    def synced(compute: Callable[[], None]) -> Callable[[], None]:
+        def step() -> None:
+            compute()
+            dist.all_reduce(probe)
+        return step
+
+    rounds = _interleaved_times([f for c in slices for f in (c, synced(c))], device, iters, 1, run_s=2 * _ISSUED_RUN_S)
+    gaps = [statistics.median(r[2 * i] for r in rounds) for i in range(len(slices))]
+    added = [statistics.median(r[2 * i + 1] - r[2 * i] for r in rounds) for i in range(len(slices))]
+    return {"sync_wait.gap": gaps, "sync_wait.added": added}
 
 
 def _measure_overlap(device: torch.device, iters: int) -> dict[str, list[float]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from ..hardware import CheckpointModel, LinkModel, OptimizerModel
+from ..hardware import CheckpointModel, LinkModel, OptimizerModel, SyncWait
 from .timing import ProfileError
 
-__all__ = ["fit_alpha_beta", "fit_checkpoint", "fit_optimizer", "overlap_fraction"]
+__all__ = ["fit_alpha_beta", "fit_checkpoint", "fit_optimizer", "fit_sync_wait", "overlap_fraction"]
 
 
 def _fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -91,3 +91,18 @@ def _nonnegative_fit(x1: Sequence[float], x2: Sequence[float], seconds: Sequence
 def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
     """The share of the shorter of compute and communication hidden when both run at once, in [0, 1]."""
     return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+
+
+def fit_sync_wait(gaps: Sequence[float], added: Sequence[float]) -> SyncWait:
+    """The extra wait of a collective after ``gaps[i]`` seconds of compute, from what it added to a
+    loop of that compute (``added[i]``; ``gaps[0]`` the slices its price was timed after): beyond
+    ``added[0]``, never below 0 and never falling with the gap (a longer stretch of compute cannot
+    leave the ranks closer together; a fall is noise)."""
+    if len(gaps) < 2 or len(gaps) != len(added) or any(a >= b for a, b in zip(gaps, gaps[1:])):
+        raise ProfileError(f"sync wait: need two or more increasing gaps with a time each, got {list(gaps)} "
+                           f"and {list(added)}")
+    seconds, highest = [], 0.0
+    for extra in added:
+        highest = max(highest, extra - added[0])
+        seconds.append(highest)
+    return SyncWait(tuple(float(g) for g in gaps), tuple(seconds))

@@ -16,16 +16,20 @@ from ..hardware import HardwareProfile, LinkModel, SmallMessages
 from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
-from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, _measure_overlap, _time_collective
+from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, SYNC_WAIT_SLICES, _measure_overlap, _measure_sync_wait, _time_collective
 from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, CHECKPOINT_CHAINS, COMPUTE_OPS, _compute_curve,
                       _compute_sizes, _measure_checkpoint, _measure_compute, _measure_local, _measure_optimizer,
                       optimizer_params)
-from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, overlap_fraction
+from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, fit_sync_wait, overlap_fraction
 from .timing import ProfileError, _device, _dtypes, _ensure_initialised, _max_over_ranks, _ranks_over_cores
 
 __all__ = ["DEFAULT_SIZES", "SMALL_ALL_REDUCE_BYTES", "measure_profile"]
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
+
+_SYNC_WAIT_MIN_ITERS = 15
+"""Rounds of the sync-wait measurement at least: a difference of two noisy loops of ranks sharing
+cores, it needs more than the compute curves' default 10."""
 
 SMALL_ALL_REDUCE_BYTES = (4, 16, 64, 256, 1024)
 """All-reduce sizes timed besides the fitted ones, kept as measured (``small_all_reduce``), each of as
@@ -114,6 +118,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     if dist.get_world_size() > 1:              # one rank has no communication to hide
         with progress.stage("timing all-reduce overlap with compute"):
             local.update(_measure_overlap(device, compute_iters))
+        with progress.stage(f"timing the wait of a collective after {len(SYNC_WAIT_SLICES)} lengths of compute"):
+            local.update(_measure_sync_wait(device, max(compute_iters, _SYNC_WAIT_MIN_ITERS)))
     agreed = _agree(local, device)
 
     nbytes = [4 * (s // 4) for s in sizes]
@@ -133,6 +139,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
     checkpoint = fit_checkpoint(agreed["checkpoint.saved"], agreed["checkpoint.seconds"])
     overlap = overlap_fraction(*agreed["overlap.seconds"]) if "overlap.seconds" in agreed else None
+    sync_wait = fit_sync_wait(agreed["sync_wait.gap"], agreed["sync_wait.added"]) if "sync_wait.gap" in agreed else None
     small_all_reduce = {(key if key == "world" else f"axis{key}"):
                         SmallMessages(tuple(float(b) for b in small), tuple(agreed[f"small_all_reduce.{key}"]))
                         for key in groups} if small else {}
@@ -153,6 +160,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         world=world,
         kinds=kinds,
         small_all_reduce=small_all_reduce,
+        sync_wait=sync_wait,
         extra={"measured": {"backend": dist.get_backend(), "world_size": dist.get_world_size(),
                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": str(torch.__version__),
@@ -171,7 +179,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                             **({"overlap_bytes": agreed["overlap.bytes"][0],
                                 "overlap_seconds": dict(zip(("compute", "all_reduce", "both"),
                                                             agreed["overlap.seconds"]))}
-                               if overlap is not None else {})}},
+                               if overlap is not None else {}),
+                            **({"sync_wait_added_seconds": agreed["sync_wait.added"]} if sync_wait is not None else {})}},
     )
 
 
@@ -228,7 +237,12 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         "(non-reentrant), forward + backward less the plain chain's less one more forward, against the "
         "tensors the chain's forward saves (extra.measured.checkpoint_saved_tensors), fitted to "
         "per_region + saved*per_saved_tensor. Overlap: (C + A - T) / min(C, A) for a matmul loop (C), an all-reduce over all "
-        "ranks of about the same time (A) and both at once with async_op=True (T).",
+        "ranks of about the same time (A) and both at once with async_op=True (T). Sync wait: loops of "
+        f"compute slices of {', '.join(str(k) for k in SYNC_WAIT_SLICES)} times the slice the collectives "
+        "follow above, with and without an all-reduce of 8 float64 over all ranks after each, timed in the "
+        "same rounds; what the all-reduce adds beyond what it adds after the shortest slice, never falling "
+        "with the slice, against the slice's seconds (extra.measured.sync_wait_added_seconds: the raw "
+        "additions).",
     ]
     if unmeasured:
         src = f"profile {base.name!r}" if base else "the measured axis"

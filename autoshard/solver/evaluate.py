@@ -22,6 +22,7 @@ from .param_edges import chosen_param_edges
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
 from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
+from .sync_wait import sync_wait_seconds
 
 if TYPE_CHECKING:
     from torch import fx
@@ -75,6 +76,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
         if rebuilt:
             rebuilds.append(live + rebuilt)
     mem.backward_peak = max(rebuilds, default=0.0)
+    t.sync_wait = sync_wait_seconds(cg, choice, decisions, gathers, sync, t.optimizer)
     return t, mem
 
 
@@ -82,13 +84,14 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
                  options: SolverOptions) -> float:
     """The ILP's objective (seconds) at one assignment: :func:`predict`'s step time with the
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
-    parameter-gradient all-reduce priced there as if bucketed."""
+    parameter-gradient all-reduce priced there as if bucketed, and without the collectives' waits for
+    drifted ranks (:mod:`.sync_wait`: no ILP term holds them)."""
     t, _ = predict(cg, choice, decisions, options)
     gathers = param_gathers(cg, choice)
     sync = gradient_sync(cg, choice, gathers)
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     param_edges = chosen_param_edges(cg, choice)
-    return (t.total - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
+    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
             + per_edge - grouped + param_edges.seconds - param_edges.replaced
             + _rerun_as_priced(cg, choice, decisions, gathers))
 

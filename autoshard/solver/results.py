@@ -77,11 +77,12 @@ class TimePrediction:
     offload: float = 0.0
     grad_sync: float = 0.0        # bucketed gradient all-reduces the step waits for (not hidden)
     optimizer: float = 0.0
+    sync_wait: float = 0.0        # collectives' waits for ranks that drifted apart (see .sync_wait)
 
     @property
     def total(self) -> float:
         return (self.compute + self.comm + self.reshard + self.recompute + self.offload + self.grad_sync
-                + self.optimizer)
+                + self.optimizer + self.sync_wait)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "total": self.total}

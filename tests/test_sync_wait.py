@@ -1,0 +1,128 @@
+"""The collectives' waits for drifted ranks: the profile's table, its fit, and the step walk that
+prices them in predict (and not in the ILP)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoshard.capture import capture
+from autoshard.enumerate import enumerate_strategies
+from autoshard.hardware import HardwareError, HardwareProfile, SyncWait, load_hardware
+from autoshard.models import build_model
+from autoshard.profile.fitting import fit_sync_wait
+from autoshard.profile.timing import ProfileError
+from autoshard.solver import build_cost_graph
+from autoshard.solver.baselines import solve_baseline
+from autoshard.solver.evaluate import gradient_sync, param_gathers
+from autoshard.solver.ilp import SolverOptions, objective_of, predict
+from autoshard.solver.sync_wait import sync_gaps, sync_wait_seconds
+
+TABLE = SyncWait((2e-3, 4e-3, 8e-3), (0.0, 1e-3, 3e-3))
+TINY = SyncWait((0.2e-3, 1e-3, 2e-3), (0.0, 0.2e-3, 0.5e-3))       # gaps of a tiny model's step
+
+
+def test_the_wait_is_zero_up_to_the_priced_gap_linear_between_points_and_flat_beyond():
+    assert TABLE.seconds_after(0.0) == 0.0
+    assert TABLE.seconds_after(2e-3) == 0.0
+    assert TABLE.seconds_after(3e-3) == pytest.approx(0.5e-3)
+    assert TABLE.seconds_after(6e-3) == pytest.approx(2e-3)
+    assert TABLE.seconds_after(1.0) == pytest.approx(3e-3)
+
+
+def test_profile_round_trip_and_errors():
+    hw = dataclasses.replace(load_hardware("cpu-gloo"), sync_wait=TABLE)
+    again = HardwareProfile.from_dict(hw.to_dict())
+    assert again.sync_wait == TABLE
+    assert HardwareProfile.from_dict({k: v for k, v in hw.to_dict().items() if k != "sync_wait"}).sync_wait is None
+    bad = hw.to_dict()
+    bad["sync_wait"] = {"gap": [4e-3, 2e-3], "seconds": [0.0, 1e-3]}
+    with pytest.raises(HardwareError, match="gaps increasing"):
+        HardwareProfile.from_dict(bad)
+    bad["sync_wait"] = {"gap": [2e-3, 4e-3], "seconds": [0.0]}
+    with pytest.raises(HardwareError, match="as many seconds as gaps"):
+        HardwareProfile.from_dict(bad)
+    bad["sync_wait"] = {"gap": [2e-3, 4e-3], "seconds": [0.0, -1e-3]}
+    with pytest.raises(HardwareError, match=r"sync_wait.seconds\[1\]"):
+        HardwareProfile.from_dict(bad)
+
+
+def test_fit_is_beyond_the_shortest_gap_never_negative_and_never_falling():
+    fit = fit_sync_wait([2e-3, 4e-3, 8e-3, 16e-3], [7e-3, 6.5e-3, 10e-3, 9e-3])
+    assert fit.gaps == (2e-3, 4e-3, 8e-3, 16e-3)
+    assert fit.seconds == pytest.approx((0.0, 0.0, 3e-3, 3e-3))
+    with pytest.raises(ProfileError):
+        fit_sync_wait([2e-3], [7e-3])
+    with pytest.raises(ProfileError):
+        fit_sync_wait([4e-3, 2e-3], [7e-3, 8e-3])
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """GPT-2 tiny on a 2x2 mesh, priced by cpu-gloo without and with a sync-wait table (the table
+    changes no node or edge cost: the same graph priced both ways)."""
+    model, args, kwargs = build_model("gpt2-tiny", device="meta", num_layers=2, batch=8, seq=32)
+    graph = capture(model, args, kwargs)
+    plain = load_hardware("cpu-gloo")
+    out = {}
+    for name, hw in (("plain", plain), ("waits", dataclasses.replace(plain, sync_wait=TINY))):
+        out[name] = build_cost_graph(enumerate_strategies(graph, mesh_shape=(2, 2), hardware=hw))
+    out["one device"] = build_cost_graph(enumerate_strategies(graph, mesh_shape=(1, 1), hardware=out["waits"].hardware))
+    return out
+
+
+def _walk(cg, sol):
+    gathers = param_gathers(cg, sol.choice)
+    sync = gradient_sync(cg, sol.choice, gathers)
+    return gathers, sync, sync_gaps(cg, sol.choice, sol.decisions, gathers, sync, sol.time.optimizer)
+
+
+@pytest.mark.parametrize("baseline", ["data_parallel", "megatron", "zero3"])
+def test_every_second_of_compute_lands_in_one_gap(graphs, baseline):
+    cg = graphs["waits"]
+    sol = solve_baseline(cg, baseline).solution
+    gathers, sync, gaps = _walk(cg, sol)
+    assert gaps and min(gaps) >= 0.0
+    local_edges = 0.0
+    for e in cg.edges:
+        if (e.dst_member, e.operand) in gathers.uses:
+            continue
+        a, b = e.src_index[sol.choice[e.src]], e.dst_index[sol.choice[e.dst]]
+        local_edges += float(e.fwd[a, b]) * (e.nbytes_fwd[a, b] == 0)
+        local_edges += float(e.bwd[a, b]) * (e.nbytes_bwd[a, b] == 0) * e.grad
+    compute = sum(float(n.costs.compute_fwd[sol.choice[n.name]] + n.costs.compute_bwd[sol.choice[n.name]]
+                        + n.costs.reshard_fwd[sol.choice[n.name]] + n.costs.reshard_bwd[sol.choice[n.name]])
+                  for n in cg.nodes.values())
+    assert sum(gaps) == pytest.approx(compute + local_edges + sol.time.optimizer, rel=1e-9)
+
+
+def test_one_device_never_waits(graphs):
+    cg = graphs["one device"]
+    sol = solve_baseline(cg, "data_parallel").solution
+    assert _walk(cg, sol)[2] == []
+    assert sol.time.sync_wait == 0.0
+
+
+def test_data_parallel_waits_last_for_the_gradient_buckets(graphs):
+    """The last meeting point of a data-parallel step is the wait for its gradient buckets, and the
+    optimizer step runs into the first one of the next step."""
+    cg = graphs["waits"]
+    sol = solve_baseline(cg, "data_parallel").solution
+    _, sync, gaps = _walk(cg, sol)
+    assert sync.synced and len(gaps) >= 2 and gaps[0] >= sol.time.optimizer
+
+
+def test_predict_adds_the_waits_and_the_ilp_objective_leaves_them_out(graphs):
+    options = SolverOptions()
+    sol = solve_baseline(graphs["waits"], "megatron").solution
+    with_waits, _ = predict(graphs["waits"], sol.choice, sol.decisions, options)
+    without, _ = predict(graphs["plain"], sol.choice, sol.decisions, options)
+    gathers, sync, gaps = _walk(graphs["waits"], sol)
+    expected = sum(TINY.seconds_after(g) for g in gaps)
+    assert expected > 0
+    assert with_waits.sync_wait == pytest.approx(expected)
+    assert without.sync_wait == 0.0
+    assert with_waits.total == pytest.approx(without.total + expected)
+    assert sync_wait_seconds(graphs["plain"], sol.choice, sol.decisions, gathers, sync, sol.time.optimizer) == 0.0
+    assert objective_of(graphs["waits"], sol.choice, sol.decisions, options) == pytest.approx(
+        objective_of(graphs["plain"], sol.choice, sol.decisions, options), rel=1e-12)
