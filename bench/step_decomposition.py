@@ -202,7 +202,7 @@ def parts(r: dict) -> dict[str, tuple[float, float]]:
 
     return {
         "compute": (m["compute"] + m["reshard"] + m["bucket_copies"], fb(quiet["mean"])),
-        "spread": (m.get("sync_wait", 0.0), fb(quiet["slowest"]) - fb(quiet["mean"])),
+        "spread": (m["sync_wait"], fb(quiet["slowest"]) - fb(quiet["mean"])),
         "fwd_collectives": (m["comm"], live["slowest"]["fwd"] - quiet["slowest"]["fwd"]),
         "bwd_collectives": (m["grad_sync"] - m["bucket_copies"], live["slowest"]["bwd"] - quiet["slowest"]["bwd"]),
         "optimizer": (m["optimizer"], live["mean"]["opt"]),

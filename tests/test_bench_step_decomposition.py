@@ -16,17 +16,17 @@ def _phases(fwd: float, bwd: float, opt: float) -> dict:
 
 def test_parts_pair_each_modeled_term_with_its_measured_difference():
     result = {"modeled_ms": {"compute": 80.0, "reshard": 0.0, "bucket_copies": 2.0, "comm": 2.0,
-                             "grad_sync": 12.0, "optimizer": 9.0, "total": 103.0},
+                             "grad_sync": 12.0, "optimizer": 9.0, "sync_wait": 3.0, "total": 106.0},
               "measured_ms": {"plain": {"mean": _phases(20, 40, 7), "slowest": _phases(22, 44, 8)},
                               "runtime, no collectives": {"mean": _phases(25, 50, 7), "slowest": _phases(28, 55, 8)},
                               "runtime": {"mean": _phases(36, 70, 7), "slowest": _phases(37, 72, 8)}}}
     p = sd.parts(result)
     assert p["compute"] == (82.0, 75.0)              # compute + resharding + copies vs no-collective mean
-    assert p["spread"] == (0.0, 8.0)                 # slowest (83) less mean (75)
+    assert p["spread"] == (3.0, 8.0)                 # modeled wait; slowest (83) less mean (75)
     assert p["fwd_collectives"] == (2.0, 9.0)        # 37 - 28
     assert p["bwd_collectives"] == (10.0, 17.0)      # sync less copies; 72 - 55
     assert p["optimizer"] == (9.0, 7.0)
-    assert p["step"] == (103.0, 116.0)               # 37 + 72 + 7
+    assert p["step"] == (106.0, 116.0)               # 37 + 72 + 7
 
 
 def test_the_all_reduce_skip_completes_at_once_and_restores_torch():

@@ -57,21 +57,25 @@ def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str]
     first_use = {g.first_use for g in gathers.groups}
     walk = _Walk()
 
-    def edge_pair(e: "CGEdge") -> tuple[int, int]:
-        return e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+    def reshard_into(node: "CGNode", backward: bool) -> None:
+        """The resharding of the node's operands (backward: of their gradients, back): a meeting
+        point where it moves bytes between ranks, compute where it is a local copy. Parameters
+        gathered per block are not resharded here."""
+        for e in into.get(node.name, ()):
+            if (backward and not e.grad) or (e.dst_member, e.operand) in gathers.uses:
+                continue
+            a, b = e.src_index[choice[e.src]], e.dst_index[choice[e.dst]]
+            moved, seconds = (e.nbytes_bwd, e.bwd) if backward else (e.nbytes_fwd, e.fwd)
+            if moved[a, b] > 0:
+                walk.meet()
+            else:
+                walk.compute(float(seconds[a, b]))
 
     def forward(node: "CGNode", gather: bool) -> None:
         s, c = choice[node.name], node.costs
         if gather and first_use & set(node.members):
             walk.meet()
-        for e in into.get(node.name, ()):
-            if (e.dst_member, e.operand) in gathers.uses:
-                continue
-            a, b = edge_pair(e)
-            if e.nbytes_fwd[a, b] > 0:
-                walk.meet()
-            else:
-                walk.compute(float(e.fwd[a, b]))
+        reshard_into(node, backward=False)
         walk.compute(float(c.compute_fwd[s] + c.reshard_fwd[s]))
         if c.comm_fwd[s] > 0:
             walk.meet()
@@ -81,14 +85,7 @@ def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str]
         walk.compute(float(c.compute_bwd[s] + c.reshard_bwd[s]))
         if c.comm_bwd[s] > 0:
             walk.meet()
-        for e in into.get(node.name, ()):
-            if not e.grad or (e.dst_member, e.operand) in gathers.uses:
-                continue
-            a, b = edge_pair(e)
-            if e.nbytes_bwd[a, b] > 0:
-                walk.meet()
-            else:
-                walk.compute(float(e.bwd[a, b]))
+        reshard_into(node, backward=True)
         if first_use & set(node.members):
             walk.meet()
 
