@@ -122,6 +122,16 @@ def _active_axes(axes: Sequence[int], mesh_shape: Sequence[int], hw: HardwarePro
     return sorted(a for a in axes if mesh_shape[a] > 1)
 
 
+def collective_group(axes: Sequence[int], mesh_shape: Sequence[int]) -> str | None:
+    """The group a collective over mesh ``axes`` runs on, as a profile names it: ``"axis<k>"`` where
+    one of them has more than one device, ``"world"`` where two do; None where none does (it runs on
+    one device and moves nothing)."""
+    live = sorted(a for a in axes if mesh_shape[a] > 1)
+    if len(live) > 2:
+        raise ValueError(f"collectives over more than two mesh axes are not modelled, got {tuple(axes)}")
+    return None if not live else f"axis{live[0]}" if len(live) == 1 else "world"
+
+
 def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int],
                     hw: HardwareProfile, *, measured_small: bool = True) -> float:
     """Seconds for collective ``kind`` on ``nbytes`` per device over mesh ``axes``;
@@ -135,7 +145,7 @@ def collective_cost(kind: str, nbytes: float, axes: Sequence[int], mesh_shape: S
     if not active:
         return 0.0
     if kind == ALL_REDUCE and measured_small and (len(active) == 1 or hw.world is not None):
-        small = hw.small_all_reduce_seconds(f"axis{active[0]}" if len(active) == 1 else "world", nbytes)
+        small = hw.small_all_reduce_seconds(collective_group(active, mesh_shape), nbytes)
         if small is not None:
             return small
     if len(active) == 1:

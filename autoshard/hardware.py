@@ -38,10 +38,11 @@ measured fraction of an async all-reduce that hides behind compute (0: none, 1: 
 ``small_all_reduce`` holds measured all-reduce times per group below the sizes the links are fitted
 on (a step's loss and counts: a few bytes), where a backend may run another program (gloo's ring
 all-reduce over 4 ranks: ~1.6 ms for a loss's float64 sum and count, ~5.5 ms from 64 bytes up,
-which the fit says of 16 bytes too); ``sync_wait`` is what a blocking collective costs beyond
-its price after a stretch of compute longer than the one its price was timed after
+which the fit says of 16 bytes too); ``sync_wait`` holds, per group, what a blocking collective
+costs beyond its price after a stretch of compute longer than the one its price was timed after
 (:class:`SyncWait`: ranks sharing cores drift apart while they compute, and the first collective
-after waits for the last one; 0 without it).
+after waits for the last one of its group; 0 for a group without one; a single table without
+groups, as profiles before per-group waits wrote it, is the world's).
 Profiles without these fields (the shipped GPU profiles) use ``max(flops / peak_flops, bytes /
 memory_bandwidth)``.
 
@@ -53,7 +54,7 @@ memory_bandwidth)``.
     checkpoint: {per_region: 2.0e-4, per_saved_tensor: 1.7e-5}
     overlap: 0.35
     small_all_reduce: {world: {bytes: [4, 16, 64, 256, 1024], seconds: [1.8e-3, 1.9e-3, 5.6e-3, ...]}, axis0: ...}
-    sync_wait: {gap: [2.6e-3, 5.2e-3, 1.0e-2, 2.1e-2, 4.2e-2], seconds: [0.0, 9.0e-4, 2.8e-3, 3.0e-3, 4.6e-3]}
+    sync_wait: {world: {gap: [2.6e-3, 5.2e-3, 1.0e-2, 2.1e-2, 4.2e-2], seconds: [0.0, 9.0e-4, 2.8e-3, ...]}, axis0: ...}
 """
 from __future__ import annotations
 
@@ -221,7 +222,15 @@ class HardwareProfile:
     small_all_reduce: Mapping[str, SmallMessages] = field(default_factory=dict)
     # measured all-reduces below the fitted sizes (a step's loss and counts), group -> times;
     # see :meth:`small_all_reduce_seconds`
-    sync_wait: SyncWait | None = None        # measured wait of a collective after long compute; None: 0
+    sync_wait: Mapping[str, SyncWait] = field(default_factory=dict)
+    # measured wait of a collective after long compute, group -> table; see :meth:`sync_wait_seconds`
+
+    def sync_wait_seconds(self, group: str, gap: float) -> float:
+        """What a blocking collective on ``group`` (``"axis0"``, ``"axis1"``, ``"world"``) waits beyond
+        its price after ``gap`` seconds of compute since that group's ranks last met; 0 where this
+        profile measured no wait for the group."""
+        table = self.sync_wait.get(group)
+        return 0.0 if table is None else table.seconds_after(gap)
 
     def small_all_reduce_seconds(self, group: str, nbytes: float) -> float | None:
         """Measured seconds of an all-reduce of ``nbytes`` on ``group`` (``"axis0"``, ``"axis1"``,
@@ -400,8 +409,8 @@ class HardwareProfile:
                           for kind, groups in self.kinds.items()}} if self.kinds else {}),
             **({"small_all_reduce": {g: {"bytes": list(t.nbytes), "seconds": list(t.seconds)}
                                      for g, t in self.small_all_reduce.items()}} if self.small_all_reduce else {}),
-            **({"sync_wait": {"gap": list(self.sync_wait.gaps), "seconds": list(self.sync_wait.seconds)}}
-               if self.sync_wait is not None else {}),
+            **({"sync_wait": {g: {"gap": list(t.gaps), "seconds": list(t.seconds)} for g, t in self.sync_wait.items()}}
+               if self.sync_wait else {}),
             "extra": dict(self.extra),
         }
 
@@ -501,22 +510,32 @@ def _small_all_reduce(d: Mapping) -> dict[str, SmallMessages]:
     return out
 
 
-def _sync_wait(d: Mapping) -> SyncWait | None:
-    """``sync_wait: {gap: [seconds of compute, increasing], seconds: [extra wait each, the first 0]}``,
-    or None."""
+def _sync_wait(d: Mapping) -> dict[str, SyncWait]:
+    """``sync_wait: {world: {gap: [seconds of compute, increasing], seconds: [extra wait each, the
+    first 0]}, axis0: ...}``, or {}. A single ``{gap, seconds}`` (profiles measured before waits were
+    timed per group, on all ranks) is the world's."""
     value = d.get("sync_wait")
     if value is None:
-        return None
-    table = _section(d, "sync_wait", {"gap": "seconds of compute since the last collective, increasing",
-                                      "seconds": "extra seconds of wait each"}, value=value)
-    gaps = _points(d, "sync_wait.gap", table["gap"], "seconds")
+        return {}
+    if isinstance(value, Mapping) and "gap" in value:
+        value = {"world": value}
+    if not isinstance(value, Mapping) or not set(value) <= set(KIND_GROUPS):
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: sync_wait must map groups "
+                            f"({', '.join(KIND_GROUPS)}) to {{gap: [...], seconds: [...]}}, got {value!r}")
+    return {str(group): _sync_wait_table(d, f"sync_wait.{group}", table) for group, table in value.items()}
+
+
+def _sync_wait_table(d: Mapping, where: str, value: Any) -> SyncWait:
+    table = _section(d, where, {"gap": "seconds of compute since the group's last collective, increasing",
+                                "seconds": "extra seconds of wait each"}, value=value)
+    gaps = _points(d, f"{where}.gap", table["gap"], "seconds")
     raw = table["seconds"]
     if not isinstance(raw, Sequence) or isinstance(raw, str):
-        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: sync_wait.seconds must be a list of "
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where}.seconds must be a list of "
                             f"seconds, got {raw!r}")
-    seconds = tuple(_number(d, f"sync_wait.seconds[{i}]", t, "seconds", zero=True) for i, t in enumerate(raw))
+    seconds = tuple(_number(d, f"{where}.seconds[{i}]", t, "seconds", zero=True) for i, t in enumerate(raw))
     if len(seconds) != len(gaps) or any(a >= b for a, b in zip(gaps, gaps[1:])):
-        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: sync_wait needs as many seconds as gaps, "
+        raise HardwareError(f"hardware profile {d.get('name', '?')!r}: {where} needs as many seconds as gaps, "
                             f"gaps increasing, got gap {list(table['gap'])} and seconds {table['seconds']!r}")
     return SyncWait(gaps, seconds)
 

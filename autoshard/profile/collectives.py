@@ -92,25 +92,25 @@ def _matmul_slice(device: torch.device, count: int) -> Callable[[], None]:
     return compute
 
 
-def _measure_sync_wait(device: torch.device, iters: int) -> dict[str, list[float]]:
-    """Seconds of compute slices of :data:`SYNC_WAIT_SLICES` lengths (``sync_wait.gap``) and what a
-    small all-reduce over all ranks after each adds to a loop of them (``sync_wait.added``), timed in
-    the same rounds. Ranks sharing cores drift apart while they compute; the collective waits for
-    the last one, and the longer the slice the further they drift (4 gloo ranks on 2 cores: 7 ms
-    after 2.6 ms of compute, 10 after 8-30 ms)."""
+def _measure_sync_wait(device: torch.device, iters: int, group: "dist.ProcessGroup") -> dict[str, list[float]]:
+    """Seconds of compute slices of :data:`SYNC_WAIT_SLICES` lengths (``gap``) and what a small
+    all-reduce on ``group`` after each adds to a loop of them (``added``), timed in the same rounds.
+    Ranks sharing cores drift apart while they compute; the collective waits for the last one of its
+    group, and the longer the slice the further they drift (4 gloo ranks on 2 cores, all 4 in the
+    group: 7 ms after 2.6 ms of compute, 10 after 8-30 ms)."""
     probe = torch.ones(8, dtype=torch.float64, device=device)
     slices = [_matmul_slice(device, _SLICE_MATMULS * k) for k in SYNC_WAIT_SLICES]
 
     def synced(compute: Callable[[], None]) -> Callable[[], None]:
         def step() -> None:
             compute()
-            dist.all_reduce(probe)
+            dist.all_reduce(probe, group=group)
         return step
 
     rounds = _interleaved_times([f for c in slices for f in (c, synced(c))], device, iters, 1, run_s=2 * _ISSUED_RUN_S)
     gaps = [statistics.median(r[2 * i] for r in rounds) for i in range(len(slices))]
     added = [statistics.median(r[2 * i + 1] - r[2 * i] for r in rounds) for i in range(len(slices))]
-    return {"sync_wait.gap": gaps, "sync_wait.added": added}
+    return {"gap": gaps, "added": added}
 
 
 def _measure_overlap(device: torch.device, iters: int) -> dict[str, list[float]]:

@@ -118,8 +118,12 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     if dist.get_world_size() > 1:              # one rank has no communication to hide
         with progress.stage("timing all-reduce overlap with compute"):
             local.update(_measure_overlap(device, compute_iters))
-        with progress.stage(f"timing the wait of a collective after {len(SYNC_WAIT_SLICES)} lengths of compute"):
-            local.update(_measure_sync_wait(device, max(compute_iters, _SYNC_WAIT_MIN_ITERS)))
+        for key, group in groups.items():
+            where = "all devices" if key == "world" else f"mesh axis {key}"
+            with progress.stage(f"timing the wait of a collective on {where} after {len(SYNC_WAIT_SLICES)} "
+                                "lengths of compute"):
+                waits = _measure_sync_wait(device, max(compute_iters, _SYNC_WAIT_MIN_ITERS), group)
+                local.update({f"sync_wait.{key}.{k}": v for k, v in waits.items()})
     agreed = _agree(local, device)
 
     nbytes = [4 * (s // 4) for s in sizes]
@@ -127,7 +131,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     links = {a: fit_alpha_beta(nbytes, ar_times[a], mesh.shape[a]) for a in measured_axes}
     world = fit_alpha_beta(nbytes, agreed["all_reduce.world"], mesh.size) if both_axes else None
     all_reduce_links = {str(a): links[a] for a in measured_axes} | ({"world": world} if both_axes else {})
-    kinds = {kind: {(key if key == "world" else f"axis{key}"): fit_alpha_beta(
+    kinds = {kind: {_group_name(key): fit_alpha_beta(
                         nbytes, agreed[f"{kind}.{key}"], mesh.size if key == "world" else mesh.shape[int(key)],
                         kind=kind, fallback=all_reduce_links[key])
                     for key in groups} for kind in MEASURED_KINDS}
@@ -139,8 +143,9 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     optimizer = fit_optimizer(agreed["optimizer.n_tensors"], agreed["optimizer.bytes"], agreed["optimizer.seconds"])
     checkpoint = fit_checkpoint(agreed["checkpoint.saved"], agreed["checkpoint.seconds"])
     overlap = overlap_fraction(*agreed["overlap.seconds"]) if "overlap.seconds" in agreed else None
-    sync_wait = fit_sync_wait(agreed["sync_wait.gap"], agreed["sync_wait.added"]) if "sync_wait.gap" in agreed else None
-    small_all_reduce = {(key if key == "world" else f"axis{key}"):
+    sync_wait = {_group_name(key): fit_sync_wait(agreed[f"sync_wait.{key}.gap"], agreed[f"sync_wait.{key}.added"])
+                 for key in groups if f"sync_wait.{key}.gap" in agreed}
+    small_all_reduce = {_group_name(key):
                         SmallMessages(tuple(float(b) for b in small), tuple(agreed[f"small_all_reduce.{key}"]))
                         for key in groups} if small else {}
     return HardwareProfile(
@@ -167,7 +172,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                             "all_reduce_bytes": nbytes,
                             **{f"all_reduce_seconds_axis{a}": ar_times[a] for a in measured_axes},
                             **({"all_reduce_seconds_world": agreed["all_reduce.world"]} if both_axes else {}),
-                            **{f"{kind}_seconds_{key if key == 'world' else 'axis' + key}": agreed[f"{kind}.{key}"]
+                            **{f"{kind}_seconds_{_group_name(key)}": agreed[f"{kind}.{key}"]
                                for kind in MEASURED_KINDS for key in groups},
                             "compute_sizes": {f: [list(s) if isinstance(s, tuple) else s
                                                   for s in _compute_sizes(f, device, compute_points)]
@@ -180,8 +185,14 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                                 "overlap_seconds": dict(zip(("compute", "all_reduce", "both"),
                                                             agreed["overlap.seconds"]))}
                                if overlap is not None else {}),
-                            **({"sync_wait_added_seconds": agreed["sync_wait.added"]} if sync_wait is not None else {})}},
+                            **({"sync_wait_added_seconds": {_group_name(key): agreed[f"sync_wait.{key}.added"]
+                                                            for key in groups}} if sync_wait else {})}},
     )
+
+
+def _group_name(key: str) -> str:
+    """A measured group's name in a profile: ``"world"``, or ``"axis<k>"`` for mesh axis ``k``."""
+    return key if key == "world" else f"axis{key}"
 
 
 def _complete_axes(links: dict[int, LinkModel], base: HardwareProfile | None) -> tuple[LinkModel, LinkModel]:
@@ -239,10 +250,10 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         "per_region + saved*per_saved_tensor. Overlap: (C + A - T) / min(C, A) for a matmul loop (C), an all-reduce over all "
         "ranks of about the same time (A) and both at once with async_op=True (T). Sync wait: loops of "
         f"compute slices of {', '.join(str(k) for k in SYNC_WAIT_SLICES)} times the slice the collectives "
-        "follow above, with and without an all-reduce of 8 float64 over all ranks after each, timed in the "
-        "same rounds; what the all-reduce adds beyond what it adds after the shortest slice, never falling "
-        "with the slice, against the slice's seconds (extra.measured.sync_wait_added_seconds: the raw "
-        "additions).",
+        "follow above, with and without an all-reduce of 8 float64 after each, on each group the "
+        "collectives are timed on (every group of a mesh axis at once), timed in the same rounds; what the "
+        "all-reduce adds beyond what it adds after the shortest slice, never falling with the slice, "
+        "against the slice's seconds (extra.measured.sync_wait_added_seconds: the raw additions per group).",
     ]
     if unmeasured:
         src = f"profile {base.name!r}" if base else "the measured axis"

@@ -1,5 +1,5 @@
 """`autoshard profile` on real ranks: alpha/beta fitted from real gloo all-reduces, and the measured
-compute curves, optimizer model and overlap that every rank must agree on."""
+compute curves, optimizer model, overlap and collective waits that every rank must agree on."""
 import math
 import time
 
@@ -44,7 +44,8 @@ def test_progress_is_one_start_and_one_end_line_per_stage_on_rank_0(prof):
     for stage in ("timing all_reduce on mesh axis 0", "timing reduce_scatter on all devices",
                   "timing small all_reduce on all devices",
                   "timing matmul peak", "timing float32 matmul compute", "timing the optimizer step",
-                  "timing activation checkpointing", "timing all-reduce overlap"):
+                  "timing activation checkpointing", "timing all-reduce overlap",
+                  "timing the wait of a collective on mesh axis 1", "timing the wait of a collective on all devices"):
         assert any(line.startswith(f"autoshard: {stage}") for line in starts), f"no stage {stage!r}: {lines}"
 
 
@@ -68,6 +69,11 @@ def test_measure_profile_on_four_ranks(prof, tmp_path_factory):
     assert set(prof.small_all_reduce) == {"axis0", "axis1", "world"}
     assert all(t.nbytes == (4.0, 16.0, 64.0, 256.0, 1024.0) and min(t.seconds) > 0
                for t in prof.small_all_reduce.values())
+    # the wait of a collective after longer compute, on every group: 0 at the shortest slice, never falling
+    assert set(prof.sync_wait) == {"axis0", "axis1", "world"}
+    for table in prof.sync_wait.values():
+        assert len(table.gaps) == 5 and table.seconds[0] == 0.0
+        assert all(b >= a >= 0 for a, b in zip(table.seconds, table.seconds[1:]))
     path = tmp_path_factory.mktemp(f"rank{dist.get_rank()}") / "p.yaml"
     prof.save(path)
     assert load_hardware(path) == prof                 # the measured curves round-trip too
@@ -77,7 +83,7 @@ def test_every_rank_has_the_same_numbers(prof):
     """The max over ranks was agreed collectively: links, roofline, curves, optimizer, checkpoint, overlap."""
     d = prof.to_dict()
     mine = {k: d[k] for k in ("axes", "world", "kinds", "small_all_reduce", "peak_flops", "memory_bandwidth", "compute", "optimizer",
-                              "checkpoint", "overlap")}
+                              "checkpoint", "overlap", "sync_wait")}
     assert all(g == mine for g in _gathered(mine))
 
 
