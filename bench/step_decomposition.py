@@ -116,9 +116,8 @@ def _phases(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -
 
 def _bucket_copy_seconds(pm, hw) -> float:
     """The modeled flatten and copy-back passes over the runtime's gradient buckets (their sizes as
-    the runtime made them; private attribute: the buckets are not public API)."""
-    return sum(2.0 * hw.copy_seconds(b.flat.numel() * b.flat.element_size(), str(b.dtype))
-               for b in pm._grad_sync.buckets if b.flat is not None)
+    the runtime made them)."""
+    return sum(2.0 * hw.copy_seconds(b.nbytes, str(b.dtype)) for b in pm.grad_buckets)
 
 
 def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: SkippedAllReduce) -> dict:

@@ -18,7 +18,7 @@ dtype; buckets are sized in the reduce dtype, as planned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,16 @@ DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class GradBucket(NamedTuple):
+    """One bucket of parameter gradients the runtime all-reduces as a single flat tensor after
+    backward: over mesh ``axes``, in ``dtype``, ``nbytes`` per device, holding ``params`` gradients."""
+
+    axes: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    params: int
 
 
 @dataclass
@@ -61,6 +71,10 @@ class _Bucket:
         for p in self.params:
             offset, n = self.slices[id(p)]
             self.views[id(p)] = self.flat[offset:offset + n].view(_local(p).shape)
+
+    def describe(self) -> GradBucket:
+        numel = sum(n for _, n in self.slices.values())
+        return GradBucket(self.axes, self.dtype, numel * self.dtype.itemsize, len(self.params))
 
     def reset(self) -> None:
         self.incoming.clear()

@@ -32,7 +32,7 @@ from .arguments import capture_as_planned, check_arguments, check_master_dtype, 
 from .collectives import CommCounter, MeshComm
 from .compiled import CompiledProgram, compile_options, compile_program
 from .constants import ConstantError, lifted_constants
-from .grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from .grad_sync import DEFAULT_BUCKET_BYTES, GradBucket, GradSync
 from .inputs import InputBinder, check_constant, check_tensor
 from .lower import LocalProgram, PlaceholderInfo, lower
 from .module_shards import ShardedState
@@ -306,6 +306,12 @@ class ParallelModule(ShardedState):
     def output_specs(self) -> list[ShardSpec | None]:
         """The layout of each flat output of the current mode (see :func:`parallelize`)."""
         return self._mode(self.training).program.output_specs
+
+    @property
+    def grad_buckets(self) -> list[GradBucket]:
+        """The buckets parameter gradients are all-reduced in after backward, in launch order (empty
+        where no gradient is all-reduced in buckets)."""
+        return [b.describe() for b in self._grad_sync.buckets]
 
     def _bucketed(self, mode: _Mode) -> Iterator[tuple[str, tuple[int, ...]]]:
         program = mode.program

@@ -322,7 +322,11 @@ def test_gradient_accumulation_through_bucketed_sync():
         params = list(pm.parameters())
         assert all(pm.specs[n].is_replicated() for n, _ in pm.named_parameters()), "not replicated"
         assert len(pm._grad_sync.bucket_of) == len(params), "not every parameter goes through the bucketed sync"
-        assert len(pm._grad_sync.buckets) > 1, "one bucket only"
+        buckets = pm.grad_buckets
+        assert len(buckets) > 1, "one bucket only"
+        assert sum(b.params for b in buckets) == len(params)
+        assert sum(b.nbytes for b in buckets) == sum(p.numel() * p.element_size() for p in params)
+        assert all(b.axes == (0, 1) and b.dtype == torch.float32 for b in buckets)
         assert "sync_grad" not in pm.code, "gradients synchronised in the graph, not by the bucketed sync"
 
         gen = torch.Generator().manual_seed(1)
@@ -338,7 +342,7 @@ def test_gradient_accumulation_through_bucketed_sync():
                     _loss(pm(xb)).backward()
                 synced = sum(n for (kind, axes, phase), (_, n) in counter.totals().items()
                              if kind == "all_reduce" and phase == "bwd" and axes == (0, 1))
-                assert synced == len(pm._grad_sync.buckets), f"{synced} gradient all-reduces, expected one per bucket"
+                assert synced == len(buckets), f"{synced} gradient all-reduces, expected one per bucket"
                 _loss(reference(xb)).backward()
                 grads = pm.full_grads()
                 for n, r in reference.named_parameters():
