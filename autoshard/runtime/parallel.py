@@ -309,8 +309,9 @@ class ParallelModule(ShardedState):
 
     @property
     def grad_buckets(self) -> list[GradBucket]:
-        """The buckets parameter gradients are all-reduced in after backward, in launch order (empty
-        where no gradient is all-reduced in buckets)."""
+        """The buckets parameter gradients are all-reduced in after backward, as the runtime made them
+        (per mesh axes and dtype, in reverse order of first use); empty where no gradient is
+        all-reduced in buckets."""
         return [b.describe() for b in self._grad_sync.buckets]
 
     def _bucketed(self, mode: _Mode) -> Iterator[tuple[str, tuple[int, ...]]]:
