@@ -96,13 +96,13 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
     groups = {str(a): dmesh.get_group(a) for a in measured_axes} | ({"world": dist.group.WORLD} if both_axes else {})
     for kind in ("all_reduce", *MEASURED_KINDS):
         for key, group in groups.items():
-            where = "all devices" if key == "world" else f"mesh axis {key}"
+            where = _group_label(key)
             with progress.stage(f"timing {kind} on {where} ({len(sizes)} sizes x {iters} runs)"):
                 local[f"{kind}.{key}"] = _time_collective(kind, group, sizes, device, iters, warmup)
     small = [b for b in SMALL_ALL_REDUCE_BYTES if b < sizes[0]]
     if small:
         for key, group in groups.items():
-            where = "all devices" if key == "world" else f"mesh axis {key}"
+            where = _group_label(key)
             with progress.stage(f"timing small all_reduce on {where} ({len(small)} sizes x {iters} runs)"):
                 local[f"small_all_reduce.{key}"] = _time_collective("all_reduce", group, small, device, iters, warmup,
                                                                     fewest_elements=True)
@@ -119,7 +119,7 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
         with progress.stage("timing all-reduce overlap with compute"):
             local.update(_measure_overlap(device, compute_iters))
         for key, group in groups.items():
-            where = "all devices" if key == "world" else f"mesh axis {key}"
+            where = _group_label(key)
             with progress.stage(f"timing the wait of a collective on {where} after {len(SYNC_WAIT_SLICES)} "
                                 "lengths of compute"):
                 waits = _measure_sync_wait(device, max(compute_iters, _SYNC_WAIT_MIN_ITERS), group)
@@ -188,6 +188,11 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                             **({"sync_wait_added_seconds": {_group_name(key): agreed[f"sync_wait.{key}.added"]
                                                             for key in groups}} if sync_wait else {})}},
     )
+
+
+def _group_label(key: str) -> str:
+    """A measured group as progress lines name it: ``"all devices"`` or ``"mesh axis <k>"``."""
+    return "all devices" if key == "world" else f"mesh axis {key}"
 
 
 def _group_name(key: str) -> str:

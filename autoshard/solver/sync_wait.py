@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from ..comm_cost import collective_group
 from ..decisions import Decision
+from ..hardware import KIND_GROUPS
 from ..phases import Phase
 from ..reshard import reshard_plan
 from .segments import checkpoint_partition_axes, memory_segments
@@ -56,7 +57,7 @@ class _Step:
         """(group, seconds of compute since its ranks last met) per meeting of the second of two
         steps run back to back: a meeting on all devices brings every group together, one on a mesh
         axis's groups only those."""
-        since = dict.fromkeys(_GROUPS, 0.0)
+        since = dict.fromkeys(KIND_GROUPS, 0.0)
         out: list[tuple[str, float]] = []
         for second in (False, True):
             for event in self.events:
@@ -65,12 +66,10 @@ class _Step:
                     continue
                 if second:
                     out.append((event, since[event]))
-                for g in (_GROUPS if event == WORLD else (event,)):
+                for g in (KIND_GROUPS if event == WORLD else (event,)):
                     since[g] = 0.0
         return out
 
-
-_GROUPS = ("axis0", "axis1", WORLD)
 
 
 def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str], gathers: "ParamGathers",
