@@ -96,8 +96,14 @@ def _measure_sync_wait(device: torch.device, iters: int, group: "dist.ProcessGro
     """Seconds of compute slices of :data:`SYNC_WAIT_SLICES` lengths (``gap``) and what a small
     all-reduce on ``group`` after each adds to a loop of them (``added``), timed in the same rounds.
     Ranks sharing cores drift apart while they compute; the collective waits for the last one of its
-    group, and the longer the slice the further they drift (4 gloo ranks on 2 cores, all 4 in the
-    group: 7 ms after 2.6 ms of compute, 10 after 8-30 ms)."""
+    group, and the longer the slice the further they drift.
+
+    Both loops are timed as the machine runs them: each round's seconds are the slowest rank's (every
+    rank runs both loops at once, whatever ``group``). A rank's own loop without the collective can
+    end well before the others' where ranks share cores (4 gloo ranks on 2 cores: a whole 43 ms slice
+    apart), because the cores the others leave it are then its own; the work left is still the
+    machine's. Against each rank's own loop the additions tripled with the slice (7.0 ms after 2.5
+    ms of compute, 17.5 after 43); against the slowest rank's, 6.7 and 10.3."""
     probe = torch.ones(8, dtype=torch.float64, device=device)
     slices = [_matmul_slice(device, _SLICE_MATMULS * k) for k in SYNC_WAIT_SLICES]
 
@@ -108,6 +114,7 @@ def _measure_sync_wait(device: torch.device, iters: int, group: "dist.ProcessGro
         return step
 
     rounds = _interleaved_times([f for c in slices for f in (c, synced(c))], device, iters, 1, run_s=2 * _ISSUED_RUN_S)
+    rounds = [_max_over_ranks(r, device) for r in rounds]
     gaps = [statistics.median(r[2 * i] for r in rounds) for i in range(len(slices))]
     added = [statistics.median(r[2 * i + 1] - r[2 * i] for r in rounds) for i in range(len(slices))]
     return {"gap": gaps, "added": added}
