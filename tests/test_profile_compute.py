@@ -20,6 +20,8 @@ def timed_outputs(monkeypatch):
     monkeypatch.setattr(compute, "_median_time", fake_median_time)
     monkeypatch.setattr(compute, "_cold_bytes", lambda device: 10 * 2**20)
     monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: 1.0)     # the chain's length by work
+    monkeypatch.setattr(compute, "_cold_chain_cap", lambda op, device: 10**9)     # no cap by time
+    monkeypatch.setattr(compute, "_max_over_ranks", lambda values, device: values)  # one process
     return runs
 
 
@@ -108,3 +110,24 @@ def test_checkpoint_overhead_is_what_a_checkpointed_chain_adds_beyond_one_more_f
     assert out["checkpoint.saved"] == [3.0 * n for n in compute.CHECKPOINT_CHAINS]
     assert out["checkpoint.seconds"] == [2.0, 0.0, 3.0]      # noise below zero is held at zero
     assert len(ran) == 9
+
+
+def test_cold_chain_is_capped_by_time_but_never_below_the_short_chain(monkeypatch):
+    """A machine may report far more cache than its ranks get (a VM's host L3): the cold chain then
+    stops at about _MAX_COLD_CHAIN_S of forward + backward, but is never shorter than the chain its
+    work and time ask for."""
+    calls: list = []
+    monkeypatch.setattr(compute, "_median_time", lambda fn, *a, **k: calls.append(fn()) or 1.0)
+    monkeypatch.setattr(compute, "_max_over_ranks", lambda values, device: values)  # one process
+    monkeypatch.setattr(compute, "_cold_bytes", lambda device: 2**40)
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: compute._MAX_COLD_CHAIN_S / 100)
+    op = compute._unary(torch.tanh)(65536, torch.float32, torch.device("cpu"))
+    assert compute._cold_chain_cap(op, torch.device("cpu")) == 100
+    compute._time_op("tanh", op, torch.device("cpu"), iters=3)
+    assert len(calls[0]) == 100
+    monkeypatch.setattr(compute, "_one_call_seconds", lambda op, device: 10.0)     # one call past the cap
+    assert compute._cold_chain_cap(op, torch.device("cpu")) == 1
+    calls.clear()
+    compute._time_op("tanh", op, torch.device("cpu"), iters=3)
+    short = compute._chain_length("tanh", op, compute.op_work("tanh", op), torch.device("cpu"))
+    assert short > 1 and len(calls[0]) == short

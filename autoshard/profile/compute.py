@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve
 from ..progress import Progress
-from .timing import ProfileError, _barrier, _dtypes, _median_time, _sync
+from .timing import ProfileError, _barrier, _dtypes, _max_over_ranks, _median_time, _sync
 
 __all__ = ["COMPUTE_OPS", "op_work"]
 
@@ -91,7 +91,8 @@ CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-by
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
 _CHAIN_S = 3e-3                                 # ... and takes at least this long, forward + backward ...
 _MAX_CHAIN = 64                                 # ... or has this many ops
-_MAX_COLD_CHAIN = 512                           # forward: at most this many instances to outgrow the cache
+_MAX_COLD_CHAIN = 512                           # forward: at most this many instances to outgrow the cache ...
+_MAX_COLD_CHAIN_S = 0.5                         # ... and at most this many seconds of forward + backward
 _COLD_BYTES_FALLBACK = 64 * 2**20               # where the last-level cache's size cannot be read
 _COMPUTE_TIMING = {"budget_s": 1.0,            # seconds per timing, about, at most (at least 3 runs)
                    "run_s": 0.03,               # seconds per timed run, at least (see _median_time)
@@ -311,13 +312,22 @@ def _one_call_seconds(op: _Op, device: torch.device) -> float:
     return max(time.perf_counter() - t0, 1e-9)
 
 
+def _cold_chain_cap(op: _Op, device: torch.device) -> int:
+    """Instances of ``op`` whose forward + backward take about :data:`_MAX_COLD_CHAIN_S`, at least 1.
+    The cache a machine reports can be far more than its ranks get: a VM's 2 cores listed their
+    host's 300 MiB L3, and chains writing twice that made the attention curve (6 sizes) take 21
+    minutes of a 43-minute profile."""
+    return max(1, int(_MAX_COLD_CHAIN_S / _one_call_seconds(op, device)))
+
+
 def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[float, float, float]:
     """(work, forward seconds, backward seconds) of one instance, timed over ``k`` instances: a
     chain, or (an op whose output cannot be the next one's input) ``k`` side by side, each on an
     input of its own (so that backward adds no gradients up), differentiated in one call.
 
     Both are timed over enough instances, every output held, that what the forward writes outgrows
-    the last-level cache (up to :data:`_MAX_COLD_CHAIN`): a training step's forward writes its
+    the last-level cache (up to :data:`_MAX_COLD_CHAIN`, and :func:`_cold_chain_cap`, never below the
+    short chain): a training step's forward writes its
     activations to memory it has not touched since the last step (they live until backward), and
     its backward reads them back long after they left the cache, while a short chain timed again and
     again works in the same few cached buffers. On a CPU the short chain made memory-bound ops in a
@@ -330,7 +340,10 @@ def _time_op(family: str, op: _Op, device: torch.device, iters: int) -> tuple[fl
     one = _run(op, *_instances(op, 1))
     fresh = sum(t.numel() * t.element_size() for t in one[:1] + ([] if op.chain else [op.x]))
     del one
-    k = min(_MAX_COLD_CHAIN, max(k, math.ceil(_cold_bytes(device) / max(fresh, 1))))
+    k = max(k, min(_MAX_COLD_CHAIN, _cold_chain_cap(op, device), math.ceil(_cold_bytes(device) / max(fresh, 1))))
+    # one length on every rank: the lengths come from each rank's own timings, and a run's CPU time
+    # is averaged over the ranks (see _median_time), which holds only where they do the same work
+    k = int(_max_over_ranks([float(k)], device)[0])
     params, inputs = _instances(op, k)
     fwd = _median_time(lambda: _run(op, params, inputs), device, iters, 1, **_COMPUTE_TIMING)
     leaves = inputs + [p for ps in params for p in ps if p.requires_grad]

@@ -17,7 +17,8 @@ from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
 from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, SYNC_WAIT_SLICES, _measure_overlap, _measure_sync_wait, _time_collective
-from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, CHECKPOINT_CHAINS, COMPUTE_OPS, _compute_curve,
+from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, _MAX_COLD_CHAIN_S, CHECKPOINT_CHAINS,
+                      COMPUTE_OPS, _compute_curve,
                       _compute_sizes, _measure_checkpoint, _measure_compute, _measure_local, _measure_optimizer,
                       optimizer_params)
 from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, fit_sync_wait, overlap_fraction
@@ -245,7 +246,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of identical ops, long enough for "
         f"2e8 FLOPs or 1.6e7 bytes and {_CHAIN_S * 1e3:g} ms of forward + backward, at most {_MAX_CHAIN} "
         f"(per-op time = chain time / length; the forward over up to {_MAX_COLD_CHAIN}, every output held, "
-        f"until it writes twice the last-level cache), median of up to {compute_iters} barrier-synchronised "
+        f"until it writes twice the last-level cache or takes {_MAX_COLD_CHAIN_S:g} s with its backward), "
+        f"median of up to {compute_iters} barrier-synchronised "
         f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
         "Optimizer: torch.optim.AdamW step (default implementation) over the parameter lists in "
         "extra.measured.optimizer_params (tensors, elements; float32), fitted to n*per_tensor + "
@@ -256,8 +258,9 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         "ranks of about the same time (A) and both at once with async_op=True (T). Sync wait: loops of "
         f"compute slices of {', '.join(str(k) for k in SYNC_WAIT_SLICES)} times the slice the collectives "
         "follow above, with and without an all-reduce of 8 float64 after each, on each group the "
-        "collectives are timed on (every group of a mesh axis at once), timed in the same rounds; what the "
-        "all-reduce adds beyond what it adds after the shortest slice, never falling with the slice, "
+        "collectives are timed on (every group of a mesh axis at once), timed in the same rounds, each round's "
+        "seconds the slowest rank's; what the all-reduce adds beyond what it adds after the shortest slice, "
+        "never falling with the slice, "
         "against the slice's seconds (extra.measured.sync_wait_added_seconds: the raw additions per group).",
     ]
     if unmeasured:
@@ -271,7 +274,7 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
     if device.type == "cpu":
         lines.append("CPU devices: host_device_bandwidth is set equal to memory_bandwidth (no separate "
                      "device memory); memory_per_device is physical RAM divided by the local ranks. A timed "
-                     "run of a compute curve, the optimizer or a checkpointed chain counts as at least its process CPU time x "
-                     f"local ranks / cores ({_ranks_over_cores():g} here): ranks sharing cores are bound "
+                     "run of a compute curve, the optimizer or a checkpointed chain counts as at least the "
+                     f"ranks' mean process CPU time x local ranks / cores ({_ranks_over_cores():g} here): ranks sharing cores are bound "
                      "by the CPU they all need, as in a training step.")
     return " ".join(lines)
