@@ -54,3 +54,18 @@ def write(name: str, data: dict, header: Sequence[str], rows: Sequence[Sequence[
     path.write_text(md)
     print(md)
     return path
+
+
+def run_on_ranks(script: str, args: Sequence[str], ranks: int, root: Path) -> object:
+    """Run ``script --worker --out FILE *args`` under torchrun on ``ranks`` local ranks (the
+    benchmarks' environment, :func:`rank_env`) and return the JSON its rank 0 wrote to FILE."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(Path(script).resolve()), "--worker", "--out", str(out), *args]
+        subprocess.run(cmd, env=rank_env(root), check=True, cwd=root)
+        return json.loads(out.read_text())

@@ -41,9 +41,7 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,7 +50,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, rank_env, write  # noqa: E402
+from _common import RESULTS, run_on_ranks, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
 from runtime_speed import plan_on_rank0  # noqa: E402
@@ -202,8 +200,9 @@ def parts(r: dict) -> dict[str, tuple[float, float]]:
     return {
         "compute": (m["compute"] + m["reshard"] + m["bucket_copies"], fb(quiet["mean"])),
         "spread": (m["sync_wait"], fb(quiet["slowest"]) - fb(quiet["mean"])),
-        "fwd_collectives": (m["comm"], live["slowest"]["fwd"] - quiet["slowest"]["fwd"]),
-        "bwd_collectives": (m["grad_sync"] - m["bucket_copies"], live["slowest"]["bwd"] - quiet["slowest"]["bwd"]),
+        # one part, not one per phase: plan comm holds the backward's own collectives too (a global
+        # batch norm's gradient sums), which the runtime runs in its backward phase
+        "collectives": (m["comm"] + m["grad_sync"] - m["bucket_copies"], fb(live["slowest"]) - fb(quiet["slowest"])),
         "optimizer": (m["optimizer"], live["mean"]["opt"]),
         "step": (m["total"], fb(live["slowest"]) + live["mean"]["opt"]),
     }
@@ -221,18 +220,18 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
         plain = r["measured_ms"]["plain"]["mean"]
         rows.append([r["model"], f"{plain['fwd'] + plain['bwd']:.1f}", _cell(p["compute"]),
                      f"{100 * (p['compute'][0] - p['compute'][1]) / p['compute'][1]:+.0f}%",
-                     _cell(p["spread"]), _cell(p["fwd_collectives"]), _cell(p["bwd_collectives"]),
+                     _cell(p["spread"]), _cell(p["collectives"]),
                      _cell(p["optimizer"]), _cell(p["step"]),
                      f"{100 * (p['step'][0] - p['step'][1]) / p['step'][1]:+.0f}%"])
     header = ["model", "plain fwd+bwd", "compute (+copies)", "compute err", "ranks' spread",
-              "fwd collectives", "grad sync", "optimizer", "step (sum of phases)", "step err"]
+              "collectives", "optimizer", "step (sum of phases)", "step err"]
     note = (f"Modeled / measured ms, autoshard's data-parallel plan, 4 gloo ranks (2x2), profile "
             f"`{Path(args.hardware).name}`, median of {args.iters} interleaved iterations, each phase after a barrier. "
             "plain: the module on the rank's quarter of the batch (mean over ranks). compute: plan compute + "
             "resharding + the buckets' flatten and copy-back, against the runtime with every all-reduce skipped "
-            "(mean over ranks). ranks' spread: modeled wait of collectives for drifted ranks against that runtime's slowest rank less the mean. fwd "
-            "collectives: plan comm against the runtime less the skipped one, slowest ranks, forward; grad sync: "
-            "exposed sync less the copies against the same, backward. step: the runtime's slowest-rank forward "
+            "(mean over ranks). ranks' spread: modeled wait of collectives for drifted ranks against that runtime's slowest rank less the mean. "
+            "collectives: plan comm + exposed gradient sync less the copies, against the runtime less the skipped one, "
+            "slowest ranks, forward + backward. step: the runtime's slowest-rank forward "
             "and backward plus its optimizer phase, each after a barrier (not a training loop's step, which "
             "gets back part of the spread: bench/plan_fidelity.py times those). "
             f"Whole run {wall_s / 60:.1f} min.")
@@ -256,13 +255,8 @@ def main() -> int:
         raise SystemExit(f"no profile at {args.hardware}: run bench/plan_fidelity.py (it measures one) or "
                          f"pass --hardware")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-               str(Path(__file__).resolve()), "--worker", "--out", str(out), "--hardware", args.hardware,
-               "--models", args.models, "--iters", str(args.iters), "--warmup", str(args.warmup)]
-        subprocess.run(cmd, env=rank_env(ROOT), check=True, cwd=ROOT)
-        results = json.loads(out.read_text())
+    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--iters", str(args.iters),
+                                      "--warmup", str(args.warmup)], WORLD, ROOT)
     report(args, results, time.perf_counter() - start)
     return 0
 

@@ -23,8 +23,7 @@ def test_parts_pair_each_modeled_term_with_its_measured_difference():
     p = sd.parts(result)
     assert p["compute"] == (82.0, 75.0)              # compute + resharding + copies vs no-collective mean
     assert p["spread"] == (3.0, 8.0)                 # modeled wait; slowest (83) less mean (75)
-    assert p["fwd_collectives"] == (2.0, 9.0)        # 37 - 28
-    assert p["bwd_collectives"] == (10.0, 17.0)      # sync less copies; 72 - 55
+    assert p["collectives"] == (12.0, 26.0)          # comm + sync less copies; (37 + 72) - (28 + 55)
     assert p["optimizer"] == (9.0, 7.0)
     assert p["step"] == (106.0, 116.0)               # 37 + 72 + 7
 
