@@ -1,6 +1,7 @@
 """Shared output helpers for benchmarks: every benchmark writes JSON and a markdown table."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -69,3 +70,19 @@ def run_on_ranks(script: str, args: Sequence[str], ranks: int, root: Path) -> ob
                str(Path(script).resolve()), "--worker", "--out", str(out), *args]
         subprocess.run(cmd, env=rank_env(root), check=True, cwd=root)
         return json.loads(out.read_text())
+
+
+def rank_bench_parser(description: str, models: str, profile: Path) -> argparse.ArgumentParser:
+    """The options every bench that re-launches itself on ranks under a profile takes: ``--models``,
+    ``--hardware`` and the worker's own ``--worker`` and ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--models", default=models, help="comma-separated plan_fidelity model keys")
+    ap.add_argument("--hardware", default=str(profile), help="profile to plan and price under")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap
+
+
+def require_profile(path: str) -> None:
+    if not Path(path).exists():
+        raise SystemExit(f"no profile at {path}: run bench/plan_fidelity.py (it measures one) or pass --hardware")

@@ -50,7 +50,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
 from runtime_speed import plan_on_rank0  # noqa: E402
@@ -240,20 +240,14 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated plan_fidelity model keys")
-    ap.add_argument("--hardware", default=str(DEFAULT_PROFILE), help="profile to plan and price under")
+    ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE)
     ap.add_argument("--iters", type=int, default=24, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per configuration")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return 0
-    if not Path(args.hardware).exists():
-        raise SystemExit(f"no profile at {args.hardware}: run bench/plan_fidelity.py (it measures one) or "
-                         f"pass --hardware")
+    require_profile(args.hardware)
     start = time.perf_counter()
     results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--iters", str(args.iters),
                                       "--warmup", str(args.warmup)], WORLD, ROOT)

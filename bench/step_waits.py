@@ -37,7 +37,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
 from plan_fidelity import MESH, OUTPUTS, WORLD, LossView, build, function_options  # noqa: E402
 from runtime_speed import Config, plan_on_rank0  # noqa: E402
 
@@ -160,23 +160,17 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated plan_fidelity model keys")
+    ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE)
     ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, and 'solved'")
-    ap.add_argument("--hardware", default=str(DEFAULT_PROFILE), help="profile to plan and price under")
     ap.add_argument("--steps", type=int, default=10, help="traced steps per plan (the last only ends the one before)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per plan")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: a step's period ends at the next step's start")
     if args.worker:
         worker(args)
         return 0
-    if not Path(args.hardware).exists():
-        raise SystemExit(f"no profile at {args.hardware}: run bench/plan_fidelity.py (it measures one) or "
-                         f"pass --hardware")
+    require_profile(args.hardware)
     start = time.perf_counter()
     results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--plans", args.plans,
                                       "--steps", str(args.steps), "--warmup", str(args.warmup)], WORLD, ROOT)

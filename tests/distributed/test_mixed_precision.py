@@ -41,7 +41,11 @@ from runtime_harness import device_mesh
 
 STEPS = 20
 LR = 3e-3
-FSDP_RTOL = 2e-3        # bf16 both sides, different op orders and splits
+FSDP_RTOL = 4e-3        # bf16 both sides, different op orders and splits, over all the steps: rounding
+#                         differences compound as they train (2.06e-3 at step 20 on a VM listing a 300 MiB L3,
+#                         where the limit was 2e-3; bf16's epsilon is 7.8e-3) ...
+FSDP_EARLY_RTOL = 2e-4  # ... and over the first steps, before they compound (1.8e-5 at step 1 there)
+FSDP_EARLY_STEPS = 3
 FP32_RTOL = 1e-2        # bf16 against fp32
 PLANS = {"solved": {}, "data_parallel": {"baseline": "data_parallel"}, "zero3": {"baseline": "zero3"},
          "megatron": {"baseline": "megatron"},
@@ -153,6 +157,8 @@ def test_losses_match_fsdp2(trained, fsdp2_losses):
               f"(first {losses[0]:.4f} / {reference[0]:.4f}, last {losses[-1]:.4f} / {reference[-1]:.4f})")
     assert losses[-1] < losses[0] * 0.8, "the model did not train"
     assert diff < FSDP_RTOL, (losses, reference)
+    early = max(abs(a - b) / abs(b) for a, b in zip(losses[:FSDP_EARLY_STEPS], reference[:FSDP_EARLY_STEPS]))
+    assert early < FSDP_EARLY_RTOL, (losses[:FSDP_EARLY_STEPS], reference[:FSDP_EARLY_STEPS])
 
 
 def test_losses_match_fp32_single_device(trained, fp32_losses):
