@@ -596,6 +596,26 @@ def fsdp2_config(key: str, rank: int, mesh1d) -> Config:
     return cfg
 
 
+def drift_record(hw) -> list[dict]:
+    """The profile's compute points timed again now (collective), as JSON: see
+    :func:`autoshard.profile.compute.remeasure_drift`."""
+    from autoshard.profile.compute import remeasure_drift
+
+    return [{"family": p.family, "work": p.work, "now_ms": 1e3 * p.now_s, "profile_ms": 1e3 * p.profile_s,
+             "ratio": p.ratio} for p in remeasure_drift(hw)]
+
+
+def drift_median(points: list[dict]) -> float | None:
+    return statistics.median(p["ratio"] for p in points) if points else None
+
+
+def _drift_cell(drift: dict | None) -> str:
+    """Median over families of time now / the profile's, before and after the model's timing."""
+    if not drift:
+        return "-"
+    return " / ".join(_ms(drift_median(drift[when]), 2) + "x" for when in ("before", "after"))
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -609,6 +629,7 @@ def worker(args) -> None:
     mesh = autoshard.init_mesh(MESH)
     mesh1d = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
     rank = dist.get_rank()
+    hw = autoshard.load_hardware(args.hardware)
     results = []
     t_all = time.perf_counter()
     for i, key in enumerate(args.models.split(",")):
@@ -651,6 +672,9 @@ def worker(args) -> None:
             refs[name] = {"name": name, "error": f"run failed: {err[0]}", "traceback": err[1]} if err else None
             if cfg is not None:
                 configs.append(cfg)
+        if rank == 0:
+            log("  timing the profile's compute points again (machine drift)")
+        drift_before = drift_record(hw)
         t0 = time.perf_counter()
         rounds = warm_up_and_count_rounds(configs, args)
         if rank == 0:
@@ -664,6 +688,9 @@ def worker(args) -> None:
                 log(f"  head to head: {h2h['solved']} {h2h['solved_measured']['median_ms']:.1f} ms, "
                     f"{h2h['rival']} {h2h['rival_measured']['median_ms']:.1f} ms ({h2h['rounds']} rounds)")
         timing_s = time.perf_counter() - t0
+        drift = {"before": drift_before, "after": drift_record(hw)}
+        if rank == 0:
+            log(f"  machine now / profile: {_drift_cell(drift)}")
         for entry in plans:
             if entry.get("same_as", entry["name"]) in measured:
                 entry["measured"] = measured[entry.get("same_as", entry["name"])]
@@ -673,7 +700,7 @@ def worker(args) -> None:
                         "rounds": rounds,
                         "graph_nodes": len(graph.graph.nodes),
                         "plans": plans, "references": refs, "head_to_head": confirm,
-                        "head_to_head_same_function": confirm_same,
+                        "head_to_head_same_function": confirm_same, "drift": drift,
                         "plan_s": plan_seconds, "timing_s": timing_s,
                         "model_s": time.perf_counter() - t_model})
         if rank == 0:
@@ -759,6 +786,8 @@ def analyse(model: dict) -> dict:
         "failed": [p["name"] for p in model["plans"] if "error" in p]
                   + [k for k, v in model["references"].items() if v and "error" in v],
         "skipped": [p["name"] for p in model["plans"] if "skipped" in p],
+        "drift_before": drift_median((model.get("drift") or {}).get("before", [])),
+        "drift_after": drift_median((model.get("drift") or {}).get("after", [])),
     }
     # The ratio the target is checked on: measured again head to head (see head_to_head), where that ran.
     out["solved_over_fastest_screen"] = out["solved_over_fastest"]
@@ -912,6 +941,27 @@ def compact_plans(model: dict, keep: int = 40) -> None:
             "strategies_differing_from_solved": len(diff), "differing": dict(list(diff.items())[:keep])}
 
 
+def drift_detail(models: list[dict]) -> str:
+    """Per family, the time of the profile's middle compute point now over the profile's, before and
+    after each model's timing."""
+    families = sorted({p["family"] for m in models for when in ("before", "after")
+                       for p in (m.get("drift") or {}).get(when, [])})
+    if not families:
+        return ""
+    lines = ["", "", "Machine drift: each family's middle profile point (forward + backward of one op) timed again "
+             "on all ranks, as the profile times it, right before and right after each model's timing; time now over "
+             "the profile's (above 1: the machine is slower than when profiled, and the model's compute with it):", "",
+             "| model | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]
+    for m in models:
+        cells = []
+        for family in families:
+            ratio = {when: next((p["ratio"] for p in (m.get("drift") or {}).get(when, []) if p["family"] == family),
+                                None) for when in ("before", "after")}
+            cells.append(" / ".join(_ms(r, 2) for r in ratio.values()))
+        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> None:
     import autoshard
 
@@ -931,7 +981,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                      _head_to_head_cell(s.get("head_to_head")),
                      _ms(s["solved_over_fastest"], 2) + ("x" if s["solved_over_fastest"] is not None else ""),
                      _flag(s["pass"]["solved_over_fastest"]), _flag(s["pass"]["spearman"]),
-                     _flag(s["pass"]["median_err"]),
+                     _flag(s["pass"]["median_err"]), _drift_cell(m.get("drift")),
                      f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
     detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
               "another profile are re-priced; measured: median (min-max) of the timed steps, rank 0's wall time "
@@ -1028,9 +1078,9 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
     write(args.name, data,
           ["model", "distinct plans run", "spearman", "median err", "worst err (plan)", "solved ms", "DDP ms", "FSDP2 ms",
            "fastest", "solved/fastest (rounds)", "head to head: solved / rival ms", "solved/fastest", "<= 1.05x",
-           "rho >= 0.9", "err <= 20%",
+           "rho >= 0.9", "err <= 20%", "machine now / profile (before / after)",
            "step-0 loss diff (autoshard / all)"],
-          rows, note + "\n" + "\n".join(detail) + f"\n\nPlot: {png.relative_to(ROOT)}.")
+          rows, note + "\n" + "\n".join(detail) + drift_detail(models) + f"\n\nPlot: {png.relative_to(ROOT)}.")
     log(f"wrote {RESULTS / (args.name + '.md')} and {png} in {wall_s / 60:.1f} min")
 
 

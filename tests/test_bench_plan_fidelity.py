@@ -103,3 +103,24 @@ def test_budgets_below_the_smallest_feasible_one_are_spread_above_it():
     assert len({name for name, _ in points}) == 3
     spread = plan_fidelity.budget_points(100.0, 82.0, (0.8, 0.6, 0.4))
     assert [b for _, b in spread] == [96, 91, 87] and all("above the smallest feasible" in n for n, _ in spread)
+
+
+def _drift(ratios: dict[str, float]) -> list[dict]:
+    return [{"family": f, "work": 1.0, "now_ms": r, "profile_ms": 1.0, "ratio": r} for f, r in ratios.items()]
+
+
+def test_machine_drift_is_reported_beside_each_model():
+    """Median over families of time now / the profile's, before and after the timing; per family
+    in the detail table (a family timed only once shows '-' where it was not)."""
+    model = _model(None)
+    model["model"] = "gpt2-128"
+    model["drift"] = {"before": _drift({"matmul": 1.5, "pointwise": 1.0, "norm": 1.1}),
+                      "after": _drift({"matmul": 0.9, "pointwise": 1.0})}
+    s = plan_fidelity.analyse(model)
+    assert s["drift_before"] == pytest.approx(1.1) and s["drift_after"] == pytest.approx(0.95)
+    assert plan_fidelity._drift_cell(model["drift"]) == "1.10x / 0.95x"
+    assert plan_fidelity._drift_cell(None) == "-"
+    table = plan_fidelity.drift_detail([model]).splitlines()
+    assert table[-3] == "| model | matmul | norm | pointwise |"
+    assert table[-1] == "| gpt2-128 | 1.50 / 0.90 | 1.10 / - | 1.00 / 1.00 |"
+    assert plan_fidelity.drift_detail([_model(None) | {"model": "x"}]) == ""

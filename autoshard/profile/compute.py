@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve
+from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareProfile
 from ..progress import Progress
-from .timing import ProfileError, _barrier, _dtypes, _max_over_ranks, _median_time, _sync
+from .timing import ProfileError, _barrier, _device, _dtypes, _max_over_ranks, _median_time, _sync
 
-__all__ = ["COMPUTE_OPS", "op_work"]
+__all__ = ["COMPUTE_OPS", "DRIFT_FAMILIES", "DriftPoint", "op_work", "remeasure_drift"]
 
 _COPY_BYTES = 64 * 2**20
 
@@ -465,3 +465,47 @@ def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float
     return {"optimizer.n_tensors": [float(n) for n, _ in lists],
             "optimizer.bytes": [float(4 * n * numel) for n, numel in lists],
             "optimizer.seconds": seconds}
+
+
+# -- drift: the profile's own compute points, timed again ------------------------------------------------
+DRIFT_FAMILIES = ("matmul", "attention", "pointwise", "norm", "conv", "conv_unaligned", "batch_norm")
+
+
+@dataclass(frozen=True)
+class DriftPoint:
+    """One compute point of a profile timed again: ``now_s`` and ``profile_s`` are forward + backward
+    seconds of one op of ``family`` at forward ``work`` (the middle size the profile measures)."""
+
+    family: str
+    work: float
+    now_s: float
+    profile_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Time now over the profile's: above 1, the machine is slower than when it was profiled."""
+        return self.now_s / self.profile_s
+
+
+def remeasure_drift(hw: HardwareProfile, iters: int = 5, families: Sequence[str] = DRIFT_FAMILIES,
+                    dtype: str = "float32") -> list[DriftPoint]:
+    """Time the middle size of each of ``families`` again, on every rank at once, exactly as the
+    profile timed it (collective: call on all ranks), against ``hw``'s curve at the same work.
+
+    A cost model can only be as right as the machine is still the one it measured: on a shared VM the
+    same op's time moves by a third within minutes. A benchmark that compares modeled with measured
+    steps calls this beside its measurements, so that a step measured far from its model on a machine
+    that drifted is told apart from an error of the model. Families ``hw`` has no curve for are left
+    out."""
+    device = _device()
+    torch_dtype = _dtypes(device)[dtype]
+    points = []
+    for family in families:
+        sizes, builders = COMPUTE_OPS[family]
+        if hw.op_seconds(family, 1.0, "fwd", dtype) is None:
+            continue
+        work, fwd, bwd = _time_family(family, builders, sizes[len(sizes) // 2:][:1], torch_dtype, device, iters)[0]
+        fwd, bwd = _max_over_ranks([fwd, bwd], device)     # as the profile agrees its values
+        profile_s = hw.op_seconds(family, work, "fwd", dtype) + hw.op_seconds(family, work, "bwd", dtype)
+        points.append(DriftPoint(family, work, fwd + bwd, profile_s))
+    return points

@@ -118,6 +118,30 @@ def test_optimizer_and_overlap_are_measured(prof):
     assert 1e-6 < prof.checkpoint_seconds(30) < 0.1
 
 
+def test_drift_times_the_profiles_own_points_again(prof):
+    """Right after the profile, its middle points timed again come out near the profile's own figures
+    (forward + backward of one op at the same work), the same on every rank; a family the profile
+    has no curve for is left out."""
+    from autoshard.profile.compute import COMPUTE_OPS, remeasure_drift
+
+    # the middle sizes of these families lie among the POINTS smallest that the fixture measured
+    families = ("pointwise", "norm")
+    assert all(len(COMPUTE_OPS[f][0]) // 2 < POINTS for f in families)
+    points = remeasure_drift(prof, iters=3, families=families)
+    assert [p.family for p in points] == list(families)
+    for p in points:
+        curve = prof.compute["float32"][p.family]
+        assert p.work == curve.work[len(COMPUTE_OPS[p.family][0]) // 2]
+        assert p.profile_s == pytest.approx(prof.op_seconds(p.family, p.work, "fwd", "float32")
+                                            + prof.op_seconds(p.family, p.work, "bwd", "float32"))
+        assert 1 / 2.5 < p.ratio < 2.5, (p.family, p.now_s, p.profile_s)
+    assert all(g == [(p.family, p.now_s) for p in points] for g in _gathered([(p.family, p.now_s) for p in points]))
+    no_norm = HardwareProfile.from_dict({**prof.to_dict(),
+                                         "compute": {"float32": {k: v for k, v in prof.to_dict()["compute"]["float32"].items()
+                                                                 if k != "norm"}}})
+    assert [p.family for p in remeasure_drift(no_norm, iters=3, families=families)] == ["pointwise"]
+
+
 def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
     with pytest.raises(MeshError, match="needs 8 ranks"):
         measure_profile((2, 4), sizes=[4096, 65536], iters=1, warmup=0)
