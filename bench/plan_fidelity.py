@@ -42,6 +42,12 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    CNN's 20 ms steps get as many samples as the machine's noise needs, for the time of a few LM steps). Step 0's
    loss is the mean of the ranks' losses for every configuration (each rank returns its own).
 
+   Right before and right after a model's timing, the middle point of seven of the profile's compute
+   curves (matmul, attention, pointwise, norm, conv, conv_unaligned, batch_norm) is timed again on all
+   ranks, as the profile timed it (``autoshard.profile.compute.remeasure_drift``), and reported as time
+   now over the profile's: the machine drift. On a shared VM an op's time moves by a third within
+   minutes; a model error is one where the machine has not drifted.
+
 Per model: Spearman rank correlation of modeled vs measured step time over the distinct autoshard
 plans that ran, median and worst |modeled - measured| / measured, the solved plan's measured time over the
 fastest measured configuration (DDP and FSDP2 included). Targets: solved/fastest <= 1.05,
