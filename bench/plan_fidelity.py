@@ -46,7 +46,11 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    curves (matmul, attention, pointwise, norm, conv, conv_unaligned, batch_norm) is timed again on all
    ranks, as the profile timed it (``autoshard.profile.compute.remeasure_drift``), and reported as time
    now over the profile's: the machine drift. On a shared VM an op's time moves by a third within
-   minutes; a model error is one where the machine has not drifted.
+   minutes; a model error is one where the machine has not drifted. After the measurements, every plan
+   that ran is priced once more under the profile with its compute scaled to that drift, family by
+   family (``autoshard.profile.compute.drift_scaled``; the links as measured): what a profile measured
+   while the model ran would have modeled. Spearman and errors are reported under both profiles; the
+   targets are checked under the measured one.
 
 Per model: Spearman rank correlation of modeled vs measured step time over the distinct autoshard
 plans that ran, median and worst |modeled - measured| / measured, the solved plan's measured time over the
@@ -57,6 +61,7 @@ measured profile bench/results/fidelity-measured.yaml.
 Run: python bench/plan_fidelity.py [--rounds 4] [--max-rounds 24] [--timed-seconds 60] [--steps 3] [--settle 1]
                                     [--warmup 2] [--models gpt2-128,cnn-16]
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
+     python bench/plan_fidelity.py --reanalyse [--name NAME]   # re-price a finished run under its drift
 (launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1 and glibc malloc keeping freed memory,
 ``_common.KEEP_FREED_MEMORY``: the profile, then all measurements).
 """
@@ -207,6 +212,14 @@ def build(key: str) -> tuple[nn.Module, dict]:
         return WithLoss(net), {"x": args[0], "labels": labels}
     model, _, kwargs = build_model(preset, device="cpu", batch=BATCH, seq=SEQ, dropout=0.0, **overrides)
     return model, kwargs
+
+
+def capture(key: str) -> tuple[Any, int]:
+    """The model's aten graph on meta tensors (what every plan of it is made from) and its parameter count."""
+    from autoshard.runtime import capture_meta
+
+    model, kwargs = build(key)
+    return capture_meta(model, (), kwargs, name=key), n_params(model)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -611,6 +624,35 @@ def drift_record(hw) -> list[dict]:
              "ratio": p.ratio} for p in remeasure_drift(hw)]
 
 
+def drift_points(model: dict, when: str) -> list[dict]:
+    """The model's drift points timed ``when`` ("before" or "after" its timing); none where not timed."""
+    return (model.get("drift") or {}).get(when, [])
+
+
+def reprice_under_drift(model: dict, graph, hw) -> None:
+    """``modeled_drift_s`` on each distinct plan of ``model`` that ran: the plan priced (as
+    :class:`Repricer` prices) under ``hw`` with its compute scaled to the machine drift timed around the
+    model's timing (:func:`autoshard.profile.compute.drift_scaled`, before and after together): what a
+    profile measured then would have modeled. ``drift_reprice_error`` where the plan cannot be priced."""
+    from autoshard.plans import Plan
+    from autoshard.profile.compute import DriftPoint, drift_scaled
+    from autoshard.solver import SolverOptions
+
+    points = [DriftPoint(p["family"], p["work"], p["now_ms"] / 1e3, p["profile_ms"] / 1e3)
+              for when in ("before", "after") for p in drift_points(model, when)]
+    if not points:
+        return
+    log(f"  {model['model']}: re-pricing the plans that ran under the profile scaled to the machine drift")
+    repricer = Repricer(graph, drift_scaled(hw, points), SolverOptions(memory_budget=int(hw.memory_per_device)),
+                        function_options(model["model"]))
+    for p in model["plans"]:
+        if "plan" in p and "measured" in p and "same_as" not in p:
+            try:
+                p["modeled_drift_s"] = repricer.price(Plan.from_dict(p["plan"]))[0].time.total
+            except LookupError as e:
+                p["drift_reprice_error"] = str(e)
+
+
 def drift_median(points: list[dict]) -> float | None:
     return statistics.median(p["ratio"] for p in points) if points else None
 
@@ -627,7 +669,6 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.runtime import capture_meta
 
     torch.set_num_threads(1)
     # The default group gets a long timeout: the other ranks wait in a broadcast while rank 0 plans.
@@ -642,10 +683,7 @@ def worker(args) -> None:
         t_model = time.perf_counter()
         if rank == 0:
             log(f"model {i + 1}/{len(args.models.split(','))}: {key} {model_spec(key)}")
-        model, kwargs = build(key)
-        params = n_params(model)
-        graph = capture_meta(model, (), kwargs, name=key)
-        del model
+        graph, params = capture(key)
         box: list[Any] = [None]
         if rank == 0:
             t0 = time.perf_counter()
@@ -761,6 +799,12 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy)
 
 
+def fit(modeled: list[float], measured: list[float]) -> tuple[float | None, float, float]:
+    """Spearman's rho of modeled and measured times, median and worst |modeled - measured| / measured."""
+    errs = [abs(m - t) / t for m, t in zip(modeled, measured)]
+    return spearman(modeled, measured), statistics.median(errs), max(errs)
+
+
 def analyse(model: dict) -> dict:
     ran = [p for p in model["plans"] if "measured" in p and "same_as" not in p]
     modeled = [p["modeled_s"] for p in ran]
@@ -792,8 +836,8 @@ def analyse(model: dict) -> dict:
         "failed": [p["name"] for p in model["plans"] if "error" in p]
                   + [k for k, v in model["references"].items() if v and "error" in v],
         "skipped": [p["name"] for p in model["plans"] if "skipped" in p],
-        "drift_before": drift_median((model.get("drift") or {}).get("before", [])),
-        "drift_after": drift_median((model.get("drift") or {}).get("after", [])),
+        "drift_before": drift_median(drift_points(model, "before")),
+        "drift_after": drift_median(drift_points(model, "after")),
     }
     # The ratio the target is checked on: measured again head to head (see head_to_head), where that ran.
     out["solved_over_fastest_screen"] = out["solved_over_fastest"]
@@ -815,6 +859,18 @@ def analyse(model: dict) -> dict:
         if same_h2h:
             out["head_to_head_same_function"] = same_h2h
             out["solved_over_fastest_same_function"] = max(1.0, same_h2h["solved_over_rival"])
+    # The same statistics with every plan priced under the profile scaled to the machine drift (see
+    # reprice_under_drift): the model's error on the machine as it was when the steps ran.
+    # A run re-analysed after the fact may not re-price every plan (see reanalyse): then the figures are
+    # over those it did, beside the unscaled profile's over the same plans.
+    priced = [i for i, p in enumerate(ran) if "modeled_drift_s" in p]
+    if priced:
+        out["drift_repriced"] = len(priced), len(ran)
+        now = fit([ran[i]["modeled_drift_s"] for i in priced], [measured[i] for i in priced])
+        out.update({"spearman_drift": now[0], "median_err_drift": now[1], "worst_err_drift": now[2]})
+        if len(priced) < len(ran):
+            same = fit([modeled[i] for i in priced], [measured[i] for i in priced])
+            out.update({"spearman_same_plans": same[0], "median_err_same_plans": same[1]})
     out["pass"] = {
         "solved_over_fastest": None if out["solved_over_fastest"] is None
         else out["solved_over_fastest"] <= TARGETS["solved_over_fastest"],
@@ -869,6 +925,8 @@ def torchrun(argv: list[str], env: dict) -> None:
 
 
 def driver(args) -> int:
+    import autoshard
+
     env = rank_env(ROOT)
     RESULTS.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -886,8 +944,44 @@ def driver(args) -> int:
                   "--steps", str(args.steps),
                   "--settle", str(args.settle), "--warmup", str(args.warmup)], env)
         data = json.loads(out.read_text())
+    hw = autoshard.load_hardware(str(hw_path))
+    for m in data["models"]:
+        reprice_under_drift(m, capture(m["model"])[0], hw)
     wall_s = time.perf_counter() - t_start
     report(args, data, hw_path, profile_s, wall_s)
+    return 0
+
+
+def reanalyse(args) -> int:
+    """Re-price a finished run's plans under its profile scaled to the drift it timed, and write its
+    report again. The JSON keeps no full plan, so each is solved again from the run's profile; one that
+    comes out other than the run's (modeled time or memory decisions) is left out of the drift figures."""
+    import autoshard
+
+    data = json.loads((RESULTS / f"{args.name}.json").read_text())
+    hw_path = ROOT / data["profile"]["path"]
+    hw = autoshard.load_hardware(str(hw_path))
+    for m in data["models"]:
+        log(f"{m['model']}: solving its plans again from {hw_path.name}")
+        graph, _ = capture(m["model"])
+        again = {p["name"]: p for p in make_plans(m["model"], graph, str(hw_path))}
+        for p in m["plans"]:
+            if "plan_summary" not in p:
+                continue
+            twin = again.get(p["name"], {})
+            if ("plan" in twin and math.isclose(twin["modeled_s"], p["modeled_s"], rel_tol=1e-6)
+                    and twin["plan"]["segments"] == p["plan_summary"]["segments"]):
+                p["plan"] = twin["plan"]
+            else:
+                p["drift_reprice_error"] = (f"solved again, the plan differs from the run's (modeled "
+                                            f"{_ms(1e3 * twin.get('modeled_s', math.nan), 2)} ms, the run's "
+                                            f"{_ms(1e3 * p['modeled_s'], 2)} ms)")
+        reprice_under_drift(m, graph, hw)
+    settings = data["settings"]
+    for k in ("rounds", "max_rounds", "timed_seconds", "confirm_seconds", "steps", "settle", "warmup", "quick"):
+        setattr(args, k, settings[k])
+    args.models = ",".join(m["model"] for m in data["models"])
+    report(args, data, hw_path, data["profile"]["seconds"], data["wall_s"], loadavg=data.get("loadavg_at_end"))
     return 0
 
 
@@ -924,6 +1018,17 @@ def _same_function_cell(model: str, s: dict) -> str:
             f"({h2h['solved_ms']:.1f} / {h2h['rival_ms']:.1f} ms, {h2h['rival']}, {h2h['rounds']} rounds), {screen}")
 
 
+def _drift_fidelity_cell(s: dict) -> str:
+    if "drift_repriced" not in s:
+        return "-"
+    cell = f"{_ms(s['spearman_drift'], 2)} / {_pct(s['median_err_drift'])} / {_pct(s['worst_err_drift'])}"
+    priced, ran = s["drift_repriced"]
+    if priced < ran:
+        cell += (f" (over the {priced} of {ran} plans re-priced; unscaled over them: {_ms(s['spearman_same_plans'], 2)}"
+                 f" / {_pct(s['median_err_same_plans'])})")
+    return cell
+
+
 def _measured_cell(meas: dict | None) -> str:
     return "-" if not meas else f"{meas['median_ms']:.1f} ({meas['min_ms']:.0f}-{meas['max_ms']:.0f})"
 
@@ -950,8 +1055,7 @@ def compact_plans(model: dict, keep: int = 40) -> None:
 def drift_detail(models: list[dict]) -> str:
     """Per family, the time of the profile's middle compute point now over the profile's, before and
     after each model's timing."""
-    families = sorted({p["family"] for m in models for when in ("before", "after")
-                       for p in (m.get("drift") or {}).get(when, [])})
+    families = sorted({p["family"] for m in models for when in ("before", "after") for p in drift_points(m, when)})
     if not families:
         return ""
     lines = ["", "", "Machine drift: each family's middle profile point (forward + backward of one op) timed again "
@@ -961,14 +1065,15 @@ def drift_detail(models: list[dict]) -> str:
     for m in models:
         cells = []
         for family in families:
-            ratio = {when: next((p["ratio"] for p in (m.get("drift") or {}).get(when, []) if p["family"] == family),
-                                None) for when in ("before", "after")}
+            ratio = {when: next((p["ratio"] for p in drift_points(m, when) if p["family"] == family), None)
+                     for when in ("before", "after")}
             cells.append(" / ".join(_ms(r, 2) for r in ratio.values()))
         lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> None:
+def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
+           loadavg: Sequence[float] | None = None) -> None:
     import autoshard
 
     models = data["models"]
@@ -987,13 +1092,14 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                      _head_to_head_cell(s.get("head_to_head")),
                      _ms(s["solved_over_fastest"], 2) + ("x" if s["solved_over_fastest"] is not None else ""),
                      _flag(s["pass"]["solved_over_fastest"]), _flag(s["pass"]["spearman"]),
-                     _flag(s["pass"]["median_err"]), _drift_cell(m.get("drift")),
+                     _flag(s["pass"]["median_err"]), _drift_cell(m.get("drift")), _drift_fidelity_cell(s),
                      f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
     detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
               "another profile are re-priced; measured: median (min-max) of the timed steps, rank 0's wall time "
               "of back-to-back steps, each from the end of the one before it):", "",
-              "| model | config | decisions | modeled ms | measured ms | error % | step-0 loss | note |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | config | decisions | modeled ms | modeled ms, profile scaled to the drift | measured ms | "
+              "error % | step-0 loss | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for m in models:
         for p in m["plans"]:
             meas = p.get("measured")
@@ -1006,19 +1112,22 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                 note.append(p["skipped"].split(". Raise")[0])
             if "error" in p:
                 note.append("ERROR " + p["error"].replace("|", "/").replace("\n", " ")[:300])
+            if "drift_reprice_error" in p:
+                note.append("not re-priced under the drift: " + p["drift_reprice_error"].replace("|", "/")[:200])
             err = None if not meas else 100 * (p["modeled_s"] - meas["median_ms"] / 1e3) / (meas["median_ms"] / 1e3)
             loss = None if not meas else meas.get("first_loss")
             detail.append(
                 f"| {m['model']} | {p['name']} | {p.get('decisions', '-')} | "
-                f"{_ms(1e3 * p['modeled_s'], 2) if 'modeled_s' in p else '-'} | {_measured_cell(meas)} | "
+                f"{_ms(1e3 * p['modeled_s'], 2) if 'modeled_s' in p else '-'} | "
+                f"{_ms(1e3 * p['modeled_drift_s'], 2) if 'modeled_drift_s' in p else '-'} | {_measured_cell(meas)} | "
                 f"{_ms(err, 0)} | {'-' if loss is None else format(loss, '.6f')} | {'; '.join(note)} |")
         for name, r in m["references"].items():
             if r is None:
                 continue
             if "median_ms" in r:
-                detail.append(f"| {m['model']} | {name} | - | - | {_measured_cell(r)} | - | {r['first_loss']:.6f} | |")
+                detail.append(f"| {m['model']} | {name} | - | - | - | {_measured_cell(r)} | - | {r['first_loss']:.6f} | |")
             else:
-                detail.append(f"| {m['model']} | {name} | - | - | - | - | - | ERROR "
+                detail.append(f"| {m['model']} | {name} | - | - | - | - | - | - | ERROR "
                               f"{r.get('error', '').replace('|', '/')[:300]} |")
     hw = autoshard.load_hardware(str(hw_path))
     prof_line = (f"Measured profile ({hw_path.name}, {profile_s:.0f} s): axis 0 alpha "
@@ -1078,13 +1187,14 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float) -> 
                                         "a step's time from the end of the one before it (rank 0 wall time); barrier"},
                  "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
                  "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
-                 "wall_s": wall_s, "loadavg_at_end": os.getloadavg()})
+                 "wall_s": wall_s, "loadavg_at_end": loadavg or os.getloadavg()})
     png = RESULTS / f"{args.name}.png"
     plot(models, png)
     write(args.name, data,
           ["model", "distinct plans run", "spearman", "median err", "worst err (plan)", "solved ms", "DDP ms", "FSDP2 ms",
            "fastest", "solved/fastest (rounds)", "head to head: solved / rival ms", "solved/fastest", "<= 1.05x",
            "rho >= 0.9", "err <= 20%", "machine now / profile (before / after)",
+           "profile scaled to the drift: spearman / median err / worst err",
            "step-0 loss diff (autoshard / all)"],
           rows, note + "\n" + "\n".join(detail) + drift_detail(models) + f"\n\nPlot: {png.relative_to(ROOT)}.")
     log(f"wrote {RESULTS / (args.name + '.md')} and {png} in {wall_s / 60:.1f} min")
@@ -1107,6 +1217,9 @@ def main() -> int:
     ap.add_argument("--profile-iters", type=int, default=30, help="autoshard profile --iters")
     ap.add_argument("--name", default=RESULT_NAME, help="results as bench/results/NAME.{json,md,png}, the profile "
                     f"as NAME-profile.yaml (default: {RESULT_NAME}, profile {PROFILE_NAME}.yaml)")
+    ap.add_argument("--reanalyse", action="store_true",
+                    help="measure nothing: re-price bench/results/NAME.json's plans under its profile scaled to the "
+                         "drift it timed (each plan solved again from that profile), and write its report again")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--hardware", help=argparse.SUPPRESS)
@@ -1125,7 +1238,7 @@ def main() -> int:
             ap.error(str(e))
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
         ap.error(f"--name {args.name!r}: letters, digits, '_' and '-' only (it names files in bench/results/)")
-    return driver(args)
+    return reanalyse(args) if args.reanalyse else driver(args)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ COMMANDS: dict[str, str] = {
     "python bench/runtime_overhead.py": ARGS,        # interleaved timing rounds
     "python bench/compile_speed.py": ARGS,           # minutes: cold inductor compiles on 4 ranks
     "python bench/plan_fidelity.py": ARGS,           # ~15 min (its --quick smoke test measures a profile: minutes)
+    "python bench/plan_fidelity.py --reanalyse": ARGS,   # solves a finished run's plans again: ~7 min
     "python bench/plan_fidelity.py --models gpt2-256,llama-192,bert-384,cnn-32,cnnsync-32 --name plan_fidelity_heldout": ARGS,  # ~23 min
     "python bench/plan_fidelity.py --models gpt2-64,llama-384,bert-192,cnn-128,cnnsync-8 --name plan_fidelity_probe": ARGS,  # ~23 min
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks

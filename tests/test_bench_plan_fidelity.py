@@ -124,3 +124,46 @@ def test_machine_drift_is_reported_beside_each_model():
     assert table[-3] == "| model | matmul | norm | pointwise |"
     assert table[-1] == "| gpt2-128 | 1.50 / 0.90 | 1.10 / - | 1.00 / 1.00 |"
     assert plan_fidelity.drift_detail([_model(None) | {"model": "x"}]) == ""
+
+
+def test_errors_under_the_profile_scaled_to_the_drift_are_reported_beside():
+    """Spearman and errors again over the plans priced under the drift-scaled profile; where some
+    could not be re-priced there, over those that were, beside the unscaled profile's over the same."""
+    model = _model(None)
+    for p, now in zip(model["plans"], (0.104, 0.150, 0.170, 0.110)):
+        p["modeled_drift_s"] = now
+    s = plan_fidelity.analyse(model)
+    assert s["spearman"] == pytest.approx(1.0) and s["spearman_drift"] == pytest.approx(0.8)
+    assert s["median_err_drift"] == pytest.approx(10 / 160 / 2) and s["worst_err_drift"] == pytest.approx(30 / 140)
+    assert plan_fidelity._drift_fidelity_cell(s) == "0.80 / 3% / 21%"
+    del model["plans"][2]["modeled_drift_s"]
+    s = plan_fidelity.analyse(model)
+    assert s["spearman"] == pytest.approx(1.0) and s["median_err"] == pytest.approx((10 / 160 + 10 / 140) / 2)
+    assert plan_fidelity._drift_fidelity_cell(s) == (
+        "1.00 / 0% / 6% (over the 3 of 4 plans re-priced; unscaled over them: 1.00 / 6%)")
+    assert plan_fidelity._drift_fidelity_cell(plan_fidelity.analyse(_model(None))) == "-"
+
+
+def test_plans_are_repriced_under_the_profile_scaled_to_the_drift():
+    """The solved plan of a real model priced again under the bench's measured profile: the same time
+    where the machine has not drifted, a longer one (less than twice: the links are not scaled) where
+    every timed family takes twice as long; a plan run as another's is not priced again."""
+    import autoshard
+
+    key = "cnn-16"
+    hw = autoshard.load_hardware(str(plan_fidelity.RESULTS / "fidelity-measured.yaml"))
+    graph, _ = plan_fidelity.capture(key)
+    plan = autoshard.plan(graph, mesh=plan_fidelity.MESH, hardware=hw, name=key, outputs=plan_fidelity.OUTPUTS,
+                          **plan_fidelity.function_options(key))
+    families = ("matmul", "attention", "pointwise", "norm", "conv", "conv_unaligned", "batch_norm")
+    for ratio in (1.0, 2.0):
+        model = {"model": key, "drift": {"before": _drift(dict.fromkeys(families, ratio))},
+                 "plans": [{"name": "solved", "plan": plan.to_dict(), "measured": _measured(1.0)},
+                           {"name": "again", "plan": plan.to_dict(), "measured": _measured(1.0), "same_as": "solved"}]}
+        plan_fidelity.reprice_under_drift(model, graph, hw)
+        solved, again = model["plans"]
+        assert "modeled_drift_s" not in again
+        if ratio == 1.0:
+            assert solved["modeled_drift_s"] == pytest.approx(plan.time["total"], rel=1e-9)
+        else:
+            assert plan.time["total"] * 1.2 < solved["modeled_drift_s"] < 2 * plan.time["total"]

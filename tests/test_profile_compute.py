@@ -131,3 +131,31 @@ def test_cold_chain_is_capped_by_time_but_never_below_the_short_chain(monkeypatc
     compute._time_op("tanh", op, torch.device("cpu"), iters=3)
     short = compute._chain_length("tanh", op, compute.op_work("tanh", op), torch.device("cpu"))
     assert short > 1 and len(calls[0]) == short
+
+
+def test_drift_scales_each_family_by_its_own_ratio_or_its_proxys():
+    """A profile rescaled to the drift probe's findings: each timed family by the geometric mean of
+    its ratios, an untimed family by its proxy's (matmul_unaligned by matmul, transcendental by
+    pointwise), the optimizer by pointwise, families with no ratio and the links as measured."""
+    from dataclasses import replace
+
+    from autoshard.hardware import ComputeCurve, OptimizerModel, load_hardware
+
+    def curve(t):
+        return ComputeCurve((1.0, 10.0), (t, 10 * t), (2 * t, 20 * t))
+
+    hw = replace(load_hardware("cpu-gloo"),
+                 compute={"float32": {"matmul": curve(1.0), "matmul_unaligned": curve(2.0),
+                                      "transcendental": curve(3.0), "conv": curve(4.0)},
+                          "bfloat16": {"matmul": curve(5.0)}},
+                 optimizer=OptimizerModel(per_tensor=1e-5, per_byte=1e-9))
+    points = [compute.DriftPoint("matmul", 1.0, 2.0, 1.0), compute.DriftPoint("matmul", 1.0, 8.0, 1.0),
+              compute.DriftPoint("pointwise", 1.0, 0.5, 1.0)]
+    now = compute.drift_scaled(hw, points)
+    assert now.op_seconds("matmul", 5.0, "fwd", "float32") == pytest.approx(4 * hw.op_seconds("matmul", 5.0, "fwd", "float32"))
+    assert now.op_seconds("matmul_unaligned", 1.0, "bwd", "float32") == pytest.approx(4 * 4.0)
+    assert now.op_seconds("transcendental", 10.0, "fwd", "float32") == pytest.approx(0.5 * 30.0)
+    assert now.compute["float32"]["conv"] == hw.compute["float32"]["conv"]          # no ratio: as measured
+    assert now.compute["bfloat16"] == hw.compute["bfloat16"]                        # another dtype
+    assert now.optimizer_seconds(10, 1e6) == pytest.approx(0.5 * hw.optimizer_seconds(10, 1e6))
+    assert now.axes == hw.axes and now.world == hw.world

@@ -7,19 +7,19 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareProfile
+from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareProfile, OptimizerModel
 from ..progress import Progress
 from .timing import ProfileError, _barrier, _device, _dtypes, _max_over_ranks, _median_time, _sync
 
-__all__ = ["COMPUTE_OPS", "DRIFT_FAMILIES", "DriftPoint", "op_work", "remeasure_drift"]
+__all__ = ["COMPUTE_OPS", "DRIFT_FAMILIES", "DRIFT_PROXY", "DriftPoint", "drift_scaled", "op_work", "remeasure_drift"]
 
 _COPY_BYTES = 64 * 2**20
 
@@ -504,8 +504,43 @@ def remeasure_drift(hw: HardwareProfile, iters: int = 5, families: Sequence[str]
         sizes, builders = COMPUTE_OPS[family]
         if hw.op_seconds(family, 1.0, "fwd", dtype) is None:
             continue
-        work, fwd, bwd = _time_family(family, builders, sizes[len(sizes) // 2:][:1], torch_dtype, device, iters)[0]
+        work, fwd, bwd = _time_family(family, builders, (sizes[len(sizes) // 2],), torch_dtype, device, iters)[0]
         fwd, bwd = _max_over_ranks([fwd, bwd], device)     # as the profile agrees its values
         profile_s = hw.op_seconds(family, work, "fwd", dtype) + hw.op_seconds(family, work, "bwd", dtype)
         points.append(DriftPoint(family, work, fwd + bwd, profile_s))
     return points
+
+
+DRIFT_PROXY: Mapping[str, str] = {
+    "matmul_unaligned": "matmul", "sync_batch_norm": "batch_norm",
+    **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss")}}
+"""The timed family whose drift a family :func:`remeasure_drift` does not time is taken to share: the
+same kernel on other shapes, or (memory-bound ops) the pointwise pass."""
+
+
+def drift_scaled(hw: HardwareProfile, points: Sequence[DriftPoint], dtype: str = "float32") -> HardwareProfile:
+    """``hw`` with its ``dtype`` compute curves scaled to the machine as ``points`` found it: each
+    family's forward and backward times multiplied by the geometric mean of its points' ratios (of its
+    :data:`DRIFT_PROXY` family's where it was not timed), the optimizer step by the pointwise ratio (a
+    memory-bound pass over the parameters). Curves of families with no ratio, other dtypes, and the
+    links are left as measured (the drift probe times no collective).
+
+    What a profile measured right now would predict, at the cost of a few ops: a benchmark that compares
+    modeled with measured steps on a machine that drifts reports its errors under both profiles."""
+    by_family: dict[str, list[float]] = {}
+    for p in points:
+        by_family.setdefault(p.family, []).append(p.ratio)
+    ratio = {f: math.exp(statistics.fmean(math.log(r) for r in rs)) for f, rs in by_family.items()}
+
+    def ratio_of(family: str) -> float | None:
+        return ratio.get(family, ratio.get(DRIFT_PROXY.get(family, family)))
+
+    curves = dict(hw.compute.get(dtype, {}))
+    for family, curve in curves.items():
+        r = ratio_of(family)
+        if r is not None:
+            curves[family] = ComputeCurve(curve.work, tuple(r * t for t in curve.fwd), tuple(r * t for t in curve.bwd))
+    optimizer, r = hw.optimizer, ratio_of("pointwise")
+    if optimizer is not None and r is not None:
+        optimizer = OptimizerModel(r * optimizer.per_tensor, r * optimizer.per_byte)
+    return replace(hw, compute={**hw.compute, dtype: curves}, optimizer=optimizer)
