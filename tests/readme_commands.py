@@ -65,6 +65,7 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --reanalyse": ARGS,   # solves a finished run's plans again: ~7 min
     "python bench/plan_fidelity.py --models gpt2-256,llama-192,bert-384,cnn-32,cnnsync-32 --name plan_fidelity_heldout": ARGS,  # ~23 min
     "python bench/plan_fidelity.py --models gpt2-64,llama-384,bert-192,cnn-128,cnnsync-8 --name plan_fidelity_probe": ARGS,  # ~23 min
+    "python bench/plan_fidelity.py --models gpt2-192,llama-320,bert-160,cnn-48,cnnsync-24 --name plan_fidelity_unseen": ARGS,  # ~35 min
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks
     "python bench/step_waits.py": ARGS,              # minutes: traced steps of 4 plans x 3 models on 4 ranks
     "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
