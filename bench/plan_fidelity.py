@@ -799,9 +799,14 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy)
 
 
+def relative_errors(modeled: list[float], measured: list[float]) -> list[float]:
+    """|modeled - measured| / measured, plan by plan."""
+    return [abs(m - t) / t for m, t in zip(modeled, measured)]
+
+
 def fit(modeled: list[float], measured: list[float]) -> tuple[float | None, float, float]:
-    """Spearman's rho of modeled and measured times, median and worst |modeled - measured| / measured."""
-    errs = [abs(m - t) / t for m, t in zip(modeled, measured)]
+    """Spearman's rho of modeled and measured times, median and worst relative error."""
+    errs = relative_errors(modeled, measured)
     return spearman(modeled, measured), statistics.median(errs), max(errs)
 
 
@@ -809,7 +814,7 @@ def analyse(model: dict) -> dict:
     ran = [p for p in model["plans"] if "measured" in p and "same_as" not in p]
     modeled = [p["modeled_s"] for p in ran]
     measured = [p["measured"]["median_ms"] / 1e3 for p in ran]
-    errs = [abs(m - t) / t for m, t in zip(modeled, measured)]
+    errs = relative_errors(modeled, measured)
     for p, e in zip(ran, errs):
         p["rel_err"] = e
     everything = {p["name"]: p["measured"] for p in model["plans"] if "measured" in p}
