@@ -1,39 +1,49 @@
-"""Where a data-parallel step's time goes, measured part by part against the cost model's parts.
+"""Where a step's time goes, measured part by part against the cost model's parts.
 
-The plan fidelity bench compares whole steps; this one takes autoshard's data-parallel plan (the plan
-the solver picks on every model of that bench) apart, on 4 gloo ranks (2x2 mesh), under a measured
-profile (by default the one the last fidelity run measured). Per model, three configurations run
-interleaved (the order rotates every iteration), each phase (forward, backward, optimizer step)
-started after a barrier and timed on every rank:
+The plan fidelity bench compares whole steps; this one takes autoshard plans apart (by default the
+data-parallel plan, the one the solver picks on most models of that bench; ``--plans`` takes any
+baselines and ``solved``), on 4 gloo ranks (2x2 mesh), under a measured profile (by default the one
+the last fidelity run measured). Per model and plan, five configurations run interleaved (the order
+rotates every iteration):
 
 - ``plain``: the module itself on this rank's quarter of the batch, no collective (what DDP computes);
-- ``runtime, no collectives``: autoshard's parallel module with every ``all_reduce`` a no-op (timing
-  only: the loss and the gradients are this rank's own), the gradient buckets' flatten and copy-back
-  included;
-- ``runtime``: the same module as it runs.
+- ``runtime, local collectives``: autoshard's parallel module with every collective replaced by a
+  local stand-in of the same shapes (:class:`LocalCollectives`: an all-reduce does nothing, a gather
+  copies this rank's piece into its block, a reduce-scatter keeps its block, an all-to-all copies;
+  timing only, the numbers are wrong), the resharding's own copies and the gradient buckets'
+  flatten and copy-back included;
+- ``runtime``: the same module as it runs;
+
+each phase (forward, backward, optimizer step) started after a barrier and timed on every rank; and
+
+- ``loop`` and ``loop, local collectives``: the runtime's training steps back to back, as a training
+  loop (and :mod:`plan_fidelity`) runs them, with real and with stand-in collectives: the slowest
+  rank's wall time per step. Where ranks share cores a rank blocked in a collective leaves its core
+  to the others, which the phases after barriers do not show.
 
 The model's parts against their measured counterparts (medians over iterations):
 
-- compute: ``plan.time`` compute + resharding + the buckets' copies (two passes over each bucket, as
-  :mod:`autoshard.solver.steptime` prices them) against the no-collective runtime's forward +
-  backward, the mean over ranks;
+- compute: ``plan.time`` compute + the buckets' copies (two passes over each bucket, as
+  :mod:`autoshard.solver.steptime` prices them) against the local-collective runtime's forward +
+  backward, the mean over ranks (the resharding's own copies are measured on this side and priced
+  on the collectives' side, in ``plan.time`` resharding with the collectives they lay out for);
 - ranks' spread: the slowest rank's forward + backward less the mean, against ``plan.time`` sync_wait
   (where ranks share cores they progress unevenly, and a collective waits for the slowest; the model
-  prices that wait per collective from the compute before it, :mod:`autoshard.solver.sync_wait`; in a
-  training loop part of the spread comes back, as the ranks that wait in a collective leave the cores
-  to the others, so this bench's sum of phases, each after a barrier, is not a loop's step: the
-  fidelity bench times those);
+  prices that wait per collective from the compute before it, :mod:`autoshard.solver.sync_wait`);
 - collectives: ``plan.time`` comm (the loss's all-reduce; batch-norm statistics where global) +
-  gradient sync less the copies, against the runtime less the no-collective runtime's slowest rank,
-  forward and backward;
-- optimizer: against the runtime's optimizer phase, the mean over ranks.
-
-Only plans whose collectives are all all-reduces are taken apart (skipping another kind would leave
-buffers unfilled); any other is refused by name.
+  resharding + gradient sync less the copies, against the runtime less the local-collective
+  runtime's slowest rank, forward and backward;
+- optimizer: against the runtime's optimizer phase, the mean over ranks;
+- step: ``plan.time`` total against the sum of the runtime's phases;
+- loop without collectives: ``plan.time`` compute + optimizer + the buckets' copies against the
+  local-collective loop's step (its resharding copies measured, not modeled, on this side);
+- loop collectives: ``plan.time`` comm + resharding + gradient sync + sync_wait less the copies,
+  against the loop's step less the local-collective loop's;
+- loop step: ``plan.time`` total against the loop's step: what the fidelity bench compares.
 
 Run: python bench/step_decomposition.py [--models gpt2-128,llama-128,bert-128,cnn-16,cnnsync-16]
-[--hardware bench/results/fidelity-measured.yaml] [--iters 24]
-(re-launches itself under torchrun with 4 ranks, OMP_NUM_THREADS=1).
+[--plans data_parallel,megatron,zero3,solved] [--hardware bench/results/fidelity-measured.yaml]
+[--iters 24] (re-launches itself under torchrun with 4 ranks, OMP_NUM_THREADS=1).
 """
 from __future__ import annotations
 
@@ -58,12 +68,17 @@ from runtime_speed import plan_on_rank0  # noqa: E402
 ROOT = HERE.parent
 DEFAULT_MODELS = "gpt2-128,gpt2-384,llama-128,llama-256,bert-128,bert-256,cnn-16,cnn-64,cnnsync-16"
 DEFAULT_PROFILE = RESULTS / "fidelity-measured.yaml"
-CONFIGS = ("plain", "runtime, no collectives", "runtime")
+DEFAULT_PLANS = "data_parallel"
+LOCAL = "runtime, local collectives"
+CONFIGS = ("plain", LOCAL, "runtime")
+LOOPS = ("loop", "loop, local collectives")
 PHASES = ("fwd", "bwd", "opt")
+LOOP_STEPS = 3
+"""Training steps back to back per timed loop turn (after one untimed step)."""
 
 
 class _Completed:
-    """What a skipped asynchronous all-reduce returns: already done."""
+    """What a stand-in asynchronous collective returns: already done."""
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         return True
@@ -72,24 +87,51 @@ class _Completed:
         return True
 
 
-class SkippedAllReduce:
-    """``torch.distributed.all_reduce`` replaced by a no-op while ``on`` (the runtime looks it up at
-    each call); every other call goes through."""
+def _flat_block(whole: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """The first ``piece``-sized block of ``whole`` (flat views)."""
+    return whole.reshape(-1)[:piece.numel()]
+
+
+class LocalCollectives:
+    """The collectives the runtime issues (``torch.distributed`` ``all_reduce``,
+    ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``; it looks them up at
+    each call) replaced, while ``on``, by local stand-ins that fill their outputs with this rank's
+    own data and return at once: the step's compute and copies as the runtime runs them, without a
+    collective (timing only). Off, every call goes through to torch."""
+
+    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.dist, self.real, self.on = dist, dist.all_reduce, False
-        dist.all_reduce = self
+        self.dist, self.on = dist, False
+        self.real = {name: getattr(dist, name) for name in self.NAMES}
+        for name in self.NAMES:
+            setattr(dist, name, self._switch(name))
 
-    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.on:
+    @staticmethod
+    def _local(name: str, *tensors: torch.Tensor) -> None:
+        if name == "all_gather_single":                  # (output, input): this rank's piece in block 0
+            out, piece = tensors
+            _flat_block(out, piece).copy_(piece.reshape(-1))
+        elif name == "reduce_scatter_single":            # (output, input): block 0, unreduced
+            out, whole = tensors
+            out.reshape(-1).copy_(_flat_block(whole, out))
+        elif name == "all_to_all_single":                # (output, input): the blocks where they are
+            out, src = tensors
+            out.copy_(src)
+
+    def _switch(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return self.real[name](*args, **kwargs)
+            self._local(name, *args[:2])
             return _Completed() if kwargs.get("async_op") else None
-        return self.real(tensor, *args, **kwargs)
+        return call
 
     def restore(self) -> None:
-        self.dist.all_reduce = self.real
-
+        for name, fn in self.real.items():
+            setattr(self.dist, name, fn)
 
 def _phases(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -> list[float]:
     """Seconds of forward, backward and optimizer step on this rank, each started after a barrier."""
@@ -112,13 +154,32 @@ def _phases(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -
     return out
 
 
+def _loop(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -> float:
+    """Seconds per training step on this rank over :data:`LOOP_STEPS` steps run back to back, after
+    one untimed step, all ranks started by a barrier."""
+    import torch.distributed as dist
+
+    def step() -> None:
+        module(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(LOOP_STEPS):
+        step()
+    return (time.perf_counter() - t0) / LOOP_STEPS
+
+
 def _bucket_copy_seconds(pm, hw) -> float:
     """The modeled flatten and copy-back passes over the runtime's gradient buckets (their sizes as
     the runtime made them)."""
     return sum(2.0 * hw.copy_seconds(b.nbytes, str(b.dtype)) for b in pm.grad_buckets)
 
 
-def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: SkippedAllReduce) -> dict:
+def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: int, mesh,
+                  local: LocalCollectives) -> dict:
     import torch.distributed as dist
 
     import autoshard
@@ -127,30 +188,29 @@ def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: S
     rank = dist.get_rank()
     model, kwargs = build(key)
     graph = capture_meta(model, (), kwargs, name=key)
-    plan, _ = plan_on_rank0(graph, None, MESH, "data_parallel", rank, OUTPUTS, hw_path, name=key,
-                            **function_options(key))
+    plan, _ = plan_on_rank0(graph, None, MESH, None if plan_name == "solved" else plan_name, rank, OUTPUTS,
+                            hw_path, name=key, **function_options(key))
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)
     plain, _ = build(key)
     runs: dict[str, tuple[torch.nn.Module, dict, torch.optim.Optimizer]] = {
         "plain": (LossView(plain), _local(kwargs, rank), torch.optim.AdamW(plain.parameters(), lr=1e-4)),
         "runtime": (LossView(pm), kwargs, torch.optim.AdamW(pm.parameters(), lr=1e-4)),
     }
-    runs["runtime, no collectives"] = runs["runtime"]
+    runs[LOCAL] = runs["runtime"]
     with pm.comm.counter.recording() as counter:
         _phases(*runs["runtime"])
     kinds = sorted({kind for kind, *_ in counter.totals()})
-    if any(k != "all_reduce" for k in kinds):
-        raise RuntimeError(f"{key}: the data-parallel plan runs {', '.join(kinds)}; this bench skips all-reduces "
-                           f"only (another kind skipped would leave its output unfilled)")
-    samples: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
+    samples: dict[str, list[list[float]]] = {c: [] for c in CONFIGS + LOOPS}
+    turns = CONFIGS + LOOPS
     for i in range(warmup + iters):
-        order = CONFIGS[i % 3:] + CONFIGS[:i % 3]
+        order = turns[i % len(turns):] + turns[:i % len(turns)]
         for name in order:
-            skip.on = name == "runtime, no collectives"
+            local.on = name in (LOCAL, LOOPS[1])
             try:
-                own = _phases(*runs[name])
+                own = _loop(*runs["runtime"]) if name in LOOPS else _phases(*runs[name])
             finally:
-                skip.on = False
+                local.on = False
+            own = own if isinstance(own, list) else [own]
             mean = torch.tensor(own, dtype=torch.float64)
             slowest = mean.clone()
             dist.all_reduce(mean)
@@ -161,10 +221,11 @@ def measure_model(key: str, hw_path: str, iters: int, warmup: int, mesh, skip: S
     med = {name: [statistics.median(col) * 1e3 for col in zip(*rows)] for name, rows in samples.items()}
     t = {k: v * 1e3 for k, v in plan.time.items()}
     copies = _bucket_copy_seconds(pm, hw) * 1e3
-    return {"model": key, "spec": model_spec(key), "iters": iters, "collective_kinds": kinds,
-            "modeled_ms": {**t, "bucket_copies": copies},
-            "measured_ms": {name: {"mean": dict(zip(PHASES, v[:3])), "slowest": dict(zip(PHASES, v[3:]))}
-                            for name, v in med.items()}}
+    measured = {name: {"mean": dict(zip(PHASES, v[:3])), "slowest": dict(zip(PHASES, v[3:]))}
+                for name, v in med.items() if name in CONFIGS}
+    measured.update({name: {"mean": med[name][0], "slowest": med[name][1]} for name in LOOPS})
+    return {"model": key, "plan": plan_name, "spec": model_spec(key), "iters": iters, "collective_kinds": kinds,
+            "modeled_ms": {**t, "bucket_copies": copies}, "measured_ms": measured}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -175,15 +236,17 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     mesh = autoshard.init_mesh(MESH)
-    skip = SkippedAllReduce()
+    local = LocalCollectives()
     results = []
     try:
         for key in args.models.split(","):
-            if dist.get_rank() == 0:
-                print(f"[step_decomposition {time.strftime('%H:%M:%S')}] {key}", file=sys.stderr, flush=True)
-            results.append(measure_model(key, args.hardware, args.iters, args.warmup, mesh, skip))
+            for plan_name in args.plans.split(","):
+                if dist.get_rank() == 0:
+                    print(f"[step_decomposition {time.strftime('%H:%M:%S')}] {key} {plan_name}", file=sys.stderr,
+                          flush=True)
+                results.append(measure_model(key, plan_name, args.hardware, args.iters, args.warmup, mesh, local))
     finally:
-        skip.restore()
+        local.restore()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -192,19 +255,27 @@ def worker(args: argparse.Namespace) -> None:
 def parts(r: dict) -> dict[str, tuple[float, float]]:
     """(modeled, measured) ms of each part of one model's step."""
     m, meas = r["modeled_ms"], r["measured_ms"]
-    quiet, live = meas["runtime, no collectives"], meas["runtime"]
+    quiet, live = meas[LOCAL], meas["runtime"]
 
     def fb(side: dict) -> float:
         return side["fwd"] + side["bwd"]
 
+    # the resharding's price (its collectives and their copies) on the collectives' side: the
+    # stand-in runtime still makes the copies, so a resharding plan's compute is measured over by them
     return {
-        "compute": (m["compute"] + m["reshard"] + m["bucket_copies"], fb(quiet["mean"])),
+        "compute": (m["compute"] + m["bucket_copies"], fb(quiet["mean"])),
         "spread": (m["sync_wait"], fb(quiet["slowest"]) - fb(quiet["mean"])),
         # one part, not one per phase: plan comm holds the backward's own collectives too (a global
         # batch norm's gradient sums), which the runtime runs in its backward phase
-        "collectives": (m["comm"] + m["grad_sync"] - m["bucket_copies"], fb(live["slowest"]) - fb(quiet["slowest"])),
+        "collectives": (m["comm"] + m["reshard"] + m["grad_sync"] - m["bucket_copies"],
+                        fb(live["slowest"]) - fb(quiet["slowest"])),
         "optimizer": (m["optimizer"], live["mean"]["opt"]),
         "step": (m["total"], fb(live["slowest"]) + live["mean"]["opt"]),
+        "loop without collectives": (m["compute"] + m["optimizer"] + m["bucket_copies"],
+                                     meas["loop, local collectives"]["slowest"]),
+        "loop collectives": (m["comm"] + m["reshard"] + m["grad_sync"] + m["sync_wait"] - m["bucket_copies"],
+                             meas["loop"]["slowest"] - meas["loop, local collectives"]["slowest"]),
+        "loop step": (m["total"], meas["loop"]["slowest"]),
     }
 
 
@@ -213,27 +284,36 @@ def _cell(pair: tuple[float, float]) -> str:
     return f"{modeled:.1f} / {measured:.1f}"
 
 
+def _err(pair: tuple[float, float]) -> str:
+    modeled, measured = pair
+    return f"{100 * (modeled - measured) / measured:+.0f}%"
+
+
 def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None:
     rows = []
     for r in results:
         p = parts(r)
         plain = r["measured_ms"]["plain"]["mean"]
-        rows.append([r["model"], f"{plain['fwd'] + plain['bwd']:.1f}", _cell(p["compute"]),
-                     f"{100 * (p['compute'][0] - p['compute'][1]) / p['compute'][1]:+.0f}%",
-                     _cell(p["spread"]), _cell(p["collectives"]),
-                     _cell(p["optimizer"]), _cell(p["step"]),
-                     f"{100 * (p['step'][0] - p['step'][1]) / p['step'][1]:+.0f}%"])
-    header = ["model", "plain fwd+bwd", "compute (+copies)", "compute err", "ranks' spread",
-              "collectives", "optimizer", "step (sum of phases)", "step err"]
-    note = (f"Modeled / measured ms, autoshard's data-parallel plan, 4 gloo ranks (2x2), profile "
-            f"`{Path(args.hardware).name}`, median of {args.iters} interleaved iterations, each phase after a barrier. "
-            "plain: the module on the rank's quarter of the batch (mean over ranks). compute: plan compute + "
-            "resharding + the buckets' flatten and copy-back, against the runtime with every all-reduce skipped "
-            "(mean over ranks). ranks' spread: modeled wait of collectives for drifted ranks against that runtime's slowest rank less the mean. "
-            "collectives: plan comm + exposed gradient sync less the copies, against the runtime less the skipped one, "
-            "slowest ranks, forward + backward. step: the runtime's slowest-rank forward "
-            "and backward plus its optimizer phase, each after a barrier (not a training loop's step, which "
-            "gets back part of the spread: bench/plan_fidelity.py times those). "
+        rows.append([r["model"], r.get("plan", "data_parallel"), f"{plain['fwd'] + plain['bwd']:.1f}",
+                     _cell(p["compute"]), _err(p["compute"]), _cell(p["spread"]), _cell(p["collectives"]),
+                     _cell(p["optimizer"]), _cell(p["step"]), _err(p["step"]),
+                     _cell(p["loop without collectives"]), _err(p["loop without collectives"]),
+                     _cell(p["loop collectives"]), _cell(p["loop step"]), _err(p["loop step"])])
+    header = ["model", "plan", "plain fwd+bwd", "compute (+copies)", "compute err", "ranks' spread",
+              "collectives", "optimizer", "step (sum of phases)", "step err", "loop without collectives",
+              "its err", "loop collectives", "loop step", "loop err"]
+    note = (f"Modeled / measured ms, autoshard plans, 4 gloo ranks (2x2), profile "
+            f"`{Path(args.hardware).name}`, median of {args.iters} interleaved iterations. Phases (compute to "
+            "step) each after a barrier: plain: the module on the rank's quarter of the batch (mean over ranks). "
+            "compute: plan compute + the buckets' flatten and copy-back, against the runtime with "
+            "every collective a local stand-in (mean over ranks). ranks' spread: modeled wait of collectives for "
+            "drifted ranks against that runtime's slowest rank less the mean. collectives: plan comm + resharding "
+            "(its copies too) + exposed gradient sync less the copies, against the runtime less the stand-in one, slowest ranks, forward + "
+            "backward. step: the runtime's slowest-rank forward and backward plus its optimizer phase. Loops: "
+            f"{LOOP_STEPS} training steps back to back, slowest rank's wall time per step. loop without collectives: "
+            "plan compute + optimizer + the buckets' copies against the loop with stand-in collectives. loop "
+            "collectives: plan comm + resharding + gradient sync + sync_wait less the copies, against the loop "
+            "less that one. loop step: plan total against the loop (what bench/plan_fidelity.py compares). "
             f"Whole run {wall_s / 60:.1f} min.")
     write("step_decomposition", {"results": results, "hardware": args.hardware, "iters": args.iters,
                                  "warmup": args.warmup, "wall_s": wall_s}, header, rows, note)
@@ -241,6 +321,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 def main() -> int:
     ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE)
+    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, and 'solved'")
     ap.add_argument("--iters", type=int, default=24, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per configuration")
     args = ap.parse_args()
@@ -249,7 +330,8 @@ def main() -> int:
         return 0
     require_profile(args.hardware)
     start = time.perf_counter()
-    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--iters", str(args.iters),
+    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--plans", args.plans,
+                                      "--iters", str(args.iters),
                                       "--warmup", str(args.warmup)], WORLD, ROOT)
     report(args, results, time.perf_counter() - start)
     return 0

@@ -67,6 +67,8 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models gpt2-64,llama-384,bert-192,cnn-128,cnnsync-8 --name plan_fidelity_probe": ARGS,  # ~23 min
     "python bench/plan_fidelity.py --models gpt2-192,llama-320,bert-160,cnn-48,cnnsync-24 --name plan_fidelity_unseen": ARGS,  # ~35 min
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks
+    "python bench/step_decomposition.py --models cnn-16,cnn-64,cnnsync-16,gpt2-128,llama-128 "
+    "--plans data_parallel,megatron,zero3,solved": ARGS,        # 9 min
     "python bench/step_waits.py": ARGS,              # minutes: traced steps of 4 plans x 3 models on 4 ranks
     "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
     "python bench/activation_memory.py": ARGS,       # GPT-2 small blocks, timed steps: minutes
