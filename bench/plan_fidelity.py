@@ -99,6 +99,7 @@ OUTPUTS = "local"     # autoshard returns each rank's shard of the logits, as DD
 WORLD = MESH[0] * MESH[1]
 BATCH, SEQ = 8, 128
 IMAGE = 64                    # CNN input side
+MLP_CLASSES = 10
 VOCAB = 2048
 PROFILE_NAME = "fidelity-measured"
 RESULT_NAME = "plan_fidelity"
@@ -129,6 +130,12 @@ def _cnn(width: int) -> tuple[str, dict]:
     return "cnn", dict(channels=width)
 
 
+def _mlp(width: int) -> tuple[str, dict]:
+    """4 linear layers, ``width`` features in, ``4 * width`` hidden, 10 classes: 36 width^2 parameters
+    against a batch of 8 rows, a model whose gradients and optimizer outweigh its compute."""
+    return "mlp", dict(features=width, hidden=4 * width, out_features=MLP_CLASSES, depth=4)
+
+
 MODELS: dict[str, tuple[str, dict]] = {
     "gpt2-128": _gpt2(128), "gpt2-384": _gpt2(384),
     "llama-128": _llama(128), "llama-256": _llama(256),
@@ -136,7 +143,7 @@ MODELS: dict[str, tuple[str, dict]] = {
     "cnn-16": _cnn(16), "cnn-64": _cnn(64), "cnnsync-16": _cnn(16),
 }
 QUICK_MODEL = "gpt2-128"
-_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": _cnn, "cnnsync": _cnn}
+_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": _cnn, "cnnsync": _cnn, "mlp": _mlp}
 
 
 def batch_norm_mode(key: str) -> str:
@@ -158,8 +165,8 @@ def function_options(key: str) -> dict[str, str]:
 
 def model_spec(key: str) -> tuple[str, dict]:
     """The preset and overrides of ``key``: one of :data:`MODELS`, or ``<family>-<width>`` for a width
-    the default set does not run (``gpt2-256``, ``llama-192``, ``cnn-32``; width: hidden size, or the
-    CNN's channels)."""
+    the default set does not run (``gpt2-256``, ``llama-192``, ``cnn-32``, ``mlp-512``; width: hidden
+    size, the CNN's channels, or the MLP's input features)."""
     if key in MODELS:
         return MODELS[key]
     family, _, width = key.rpartition("-")
@@ -1165,7 +1172,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
             f"+ AdamW step, fp32, dropout 0; autoshard plans made with outputs={OUTPUTS!r} (each rank keeps its "
             f"shard of the logits, as DDP does) and loss={LOSS!r} (each rank's mean loss over its share, as DDP and FSDP2 compute and return it); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "
-            f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph). Medians of "
+            f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph); MLP (mlp-<features>) "
+            f"batch {BATCH}, 4 linear layers, hidden 4 x features, {MLP_CLASSES} classes. Medians of "
             f"interleaved rounds x {args.steps} step(s) (each turn after {args.settle} untimed step(s); rounds per model: "
             f"{', '.join(f'{m}: {m_rounds}' for m, m_rounds in rounds_by_model.items())}: at least {args.rounds}, more "
             f"where that gives about {args.timed_seconds:.0f} s of timed steps, at most {args.max_rounds}), "

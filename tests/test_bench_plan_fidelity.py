@@ -14,6 +14,8 @@ def test_default_models_and_any_width_of_a_family():
     assert preset == "llama-tiny" and overrides["hidden_size"] == 192 and overrides["intermediate_size"] == 768
     assert plan_fidelity.model_spec("gpt2-256")[1]["n_embd"] == 256
     assert plan_fidelity.model_spec("cnn-32") == ("cnn", {"channels": 32})
+    assert plan_fidelity.model_spec("mlp-512") == ("mlp", {"features": 512, "hidden": 2048, "out_features": 10,
+                                                           "depth": 4})
 
 
 @pytest.mark.parametrize("key", ["gpt3-128", "gpt2-", "gpt2-x", "llama-0", "bert"])
