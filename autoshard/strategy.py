@@ -367,9 +367,9 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
     devices and whose local forward operands and outputs take ``io_bytes``.
 
     Where the profile has measured the curve of the op's ``family`` for its dtype, that curve at the
-    local forward work (FLOPs ``profile.fwd_flops / split`` for matmul/conv and attention, else
-    ``io_bytes``); an op with no float operand that needs a gradient, or no float output, has no
-    backward. Otherwise (an unmeasured profile or dtype, or no family given) the roofline:
+    local forward work (FLOPs ``profile.fwd_flops / split`` for matmul/conv and attention, never below
+    :func:`_memory_floor`; else ``io_bytes``); an op with no float operand that needs a gradient, or
+    no float output, has no backward. Otherwise (an unmeasured profile or dtype, or no family given) the roofline:
     ``max(flops / peak FLOP/s, bytes / memory bandwidth)``, backward bytes counted once per operand
     that needs a gradient.
 
@@ -384,15 +384,28 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
             return 0.0
         phase = FWD       # one memory-bound pass over the bytes, as a pointwise op's forward
     for curve in _CURVES_OF_FAMILY.get(family, ("pointwise",)) if family is not None else ():
-        work = profile.fwd_flops / split if COMPUTE_FAMILIES[curve] == "FLOPs" else io_bytes
-        measured = hw.op_seconds(curve, work, phase, op.compute_dtype)
+        by_flops = COMPUTE_FAMILIES[curve] == "FLOPs"
+        measured = hw.op_seconds(curve, profile.fwd_flops / split if by_flops else io_bytes, phase, op.compute_dtype)
         if measured is not None:
             has_backward = op.n_grad_operands > 0 and any(
                 m is not None and m.dtype.is_floating_point for m in op.outputs)
-            return measured if phase == FWD or has_backward else 0.0
+            if phase == BWD and not has_backward:
+                return 0.0
+            return max(measured, _memory_floor(op, hw, phase, io_bytes)) if by_flops else measured
     flops = profile.fwd_flops if phase == FWD else profile.bwd_flops
     nbytes = io_bytes if phase == FWD else io_bytes * op.n_grad_operands
     return max(flops / split / hw.flops_for(op.compute_dtype), nbytes / hw.memory_bandwidth)
+
+
+def _memory_floor(op: "OpInfo", hw: "HardwareProfile", phase: Phase, io_bytes: int) -> float:
+    """The least an op priced by its FLOPs takes: one pass over its operands and outputs in forward,
+    one per operand that needs a gradient in backward, each at the measured pointwise rate (0 where
+    none is measured). A FLOPs curve is timed on square operands; a matmul on a few rows (a linear on
+    a batch of 8) moves its whole weight for few FLOPs, and on a CPU rank took 3-9x the curve's time."""
+    one = hw.op_seconds("pointwise", io_bytes, Phase.FWD, op.compute_dtype)
+    if one is None:
+        return 0.0
+    return one * (1 if phase == FWD else op.n_grad_operands)
 
 
 def _memory(op: "OpInfo", in_specs, out_specs, split: int, profile) -> MemoryCost:

@@ -286,6 +286,7 @@ def test_overlap_fraction():
 
 # -- the cost model prices compute from the curves --------------------------------------------------
 RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
+RATE["pointwise"] = 1e-15     # a memory pass far cheaper than any FLOPs curve: no matmul here is bound by it
 BWD_RATE = {f: 3 * r for f, r in RATE.items()}
 
 
@@ -369,6 +370,24 @@ def test_compute_uses_the_curve_of_the_family_and_the_local_work():
     # ... and with a pointwise curve, its local bytes
     (rep,) = [s for s in node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work())]
     assert rep.compute_fwd == pytest.approx(RATE["pointwise"] * 3 * 64 * 32 * 4, rel=1e-9)
+
+
+def test_a_matmul_on_few_rows_is_priced_no_faster_than_a_memory_pass_over_its_operands():
+    """A FLOPs curve is timed on square matmuls; a linear on a few rows moves its whole weight for
+    few FLOPs. It costs at least one pointwise pass over its operands and output in forward, one per
+    operand that needs a gradient in backward; a square one keeps its FLOPs price."""
+    slow_memory = measured(compute={"float32": {
+        "matmul": {"work": [1.0, 1e15], "fwd": [1e-12, 1e3], "bwd": [2e-12, 2e3]},
+        "pointwise": {"work": [1.0, 1e15], "fwd": [1e-11, 1e4], "bwd": [1e-11, 1e4]}}})
+    for rows, bound_by_memory in ((2, True), (512, False)):
+        x, w = torch.randn(rows, 64, requires_grad=True), torch.randn(256, 64, requires_grad=True)
+        graph, node = _compute_node(torch.nn.functional.linear, (x, w))
+        (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), slow_memory).strategies
+        flops, io = 2 * rows * 64 * 256, 4 * (rows * 64 + 256 * 64 + rows * 256)
+        fwd, bwd = (1e-11 * io, 2 * 1e-11 * io) if bound_by_memory else (1e-12 * flops, 2e-12 * flops)
+        assert (1e-11 * io > 1e-12 * flops) == bound_by_memory
+        assert rep.compute_fwd == pytest.approx(fwd, rel=1e-9)
+        assert rep.compute_bwd == pytest.approx(bwd, rel=1e-9)
 
 
 def _priced_by_its_curve_else(fn, args, flops: float, curve: str, own: str, fallback: str) -> None:
