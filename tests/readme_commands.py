@@ -66,6 +66,10 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models gpt2-256,llama-192,bert-384,cnn-32,cnnsync-32 --name plan_fidelity_heldout": ARGS,  # ~23 min
     "python bench/plan_fidelity.py --models gpt2-64,llama-384,bert-192,cnn-128,cnnsync-8 --name plan_fidelity_probe": ARGS,  # ~23 min
     "python bench/plan_fidelity.py --models gpt2-192,llama-320,bert-160,cnn-48,cnnsync-24 --name plan_fidelity_unseen": ARGS,  # ~35 min
+    "python bench/plan_fidelity.py --models mlp-256,mlp-512,llama-224,cnn-40 --name plan_fidelity_fourth": ARGS,  # ~29 min
+    "python bench/plan_fidelity.py --models mlp-256,mlp-512 --name plan_fidelity_mlp": ARGS,  # ~19 min
+    "python bench/step_decomposition.py --models mlp-512,mlp-256 --plans data_parallel,solved "
+    "--hardware bench/results/plan_fidelity_fourth-profile.yaml": ARGS,     # 1.5 min, a diagnosis
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks
     "python bench/step_decomposition.py --models cnn-16,cnn-64,cnnsync-16,gpt2-128,llama-128 "
     "--plans data_parallel,megatron,zero3,solved": ARGS,        # 9 min
