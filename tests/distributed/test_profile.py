@@ -173,7 +173,10 @@ def test_compute_timing_counts_the_cpu_the_ranks_need_together():
                     torch.mm(a, a)
         return fn
 
-    for ranks, low, high in (((0,), 0.7, 1.4), (tuple(range(dist.get_world_size())), 0.75 * share, 1.25 * share)):
+    # all ranks computing: the share, less what the machine takes back where a VM's cores are not all
+    # its own (a rank's wall time grows while the hypervisor runs something else, its CPU time does
+    # not: 1.24-1.95x here on a VM whose ranks ran 1.5x apart alone); without the rule it is about 1
+    for ranks, low, high in (((0,), 0.7, 1.4), (tuple(range(dist.get_world_size())), 0.6 * share, 1.25 * share)):
         ratios = []
         for _ in range(3):
             wall = _median_time(burn(ranks), torch.device("cpu"), 5, 1, run_s=0.01)
