@@ -17,7 +17,8 @@ nodes with) for ``matmul`` (and ``matmul_unaligned``: a matmul whose tensors' ro
 multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` (and ``conv_unaligned``: a
 convolution whose local input or output channels are no whole multiple of 16, which oneDNN runs
 outside its blocked layouts, slower per FLOP on a CPU) and ``attention``, bytes of the op's tensor inputs plus outputs for
-``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
+``matmul_rows1``, ``matmul_rows2``, ``matmul_rows4`` and ``matmul_rows8`` (a linear, addmm or mm on 1, 2-3,
+4-7 or 8-15 local rows, see :data:`FEW_ROWS`), ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
 :data:`ELEMENTWISE_FUNCTIONS` (exp, log, tanh, sigmoid, SiLU, GELU exact and tanh-approximated: their
 costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm``
@@ -139,8 +140,24 @@ ELEMENTWISE_FUNCTIONS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu", "gelu_
 """Elementwise functions with a measured curve each: their cost per byte differs too much for one
 curve (on a CPU exp and tanh take 2-4 ns per element, SiLU and exact GELU 0.3, an add 0.1)."""
 
+FEW_ROWS = (1, 2, 4, 8)
+"""Row counts below the ``matmul`` curve's with a curve of their own (``matmul_rows<r>``, by bytes): a
+linear on a few rows (a batch of 8 split over devices) reads its whole weight for few FLOPs, on kernels
+that differ with the rows (4 CPU ranks on 2 cores: 1-2 rows 4-6 GB/s of weight, 4-8 rows 2-3 GB/s,
+16 rows at the FLOP rate of square matmuls)."""
+
+
+def few_rows_family(rows: int) -> str | None:
+    """The ``matmul_rows<r>`` family of a 2-D matmul on ``rows`` local rows: the largest of
+    :data:`FEW_ROWS` not above them; None from twice the largest up (the ``matmul`` curves)."""
+    if rows < 1 or rows >= 2 * FEW_ROWS[-1]:
+        return None
+    return f"matmul_rows{max(r for r in FEW_ROWS if r <= rows)}"
+
+
 COMPUTE_FAMILIES: Mapping[str, str] = {
-    "matmul": "FLOPs", "matmul_unaligned": "FLOPs", "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
+    "matmul": "FLOPs", "matmul_unaligned": "FLOPs", **{f"matmul_rows{r}": "bytes" for r in FEW_ROWS},
+    "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
     "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "sync_batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes",

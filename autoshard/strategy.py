@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .hardware import ELEMENTWISE_FUNCTIONS
+from .hardware import ELEMENTWISE_FUNCTIONS, FEW_ROWS
 from .phases import Phase
 from .specs import ShardSpec
 
@@ -337,11 +337,12 @@ def _io_bytes(op: "OpInfo", in_specs, out_specs) -> int:
 
 
 # The measured curves (HardwareProfile.compute) that price an op of each handler family, the first
-# one the profile has (a profile measured before convolutions, transcendental functions, batch norm,
+# one the profile has (a profile measured before convolutions, few-row matmuls, transcendental functions, batch norm,
 # sync batch norm, pooling or the per-function elementwise curves had a curve prices them as matmuls,
 # as arithmetic, as a layer norm, as the op's own batch norm or by the transcendental median); every
 # other family that is not free (views are) goes by its bytes, as a pointwise op.
-_CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unaligned", "matmul"), "conv": ("conv", "matmul"),
+_CURVES_OF_FAMILY = {"matmul": ("matmul",), "matmul_unaligned": ("matmul_unaligned", "matmul"),
+                     **{f"matmul_rows{r}": (f"matmul_rows{r}", "matmul") for r in FEW_ROWS}, "conv": ("conv", "matmul"),
                      "conv_unaligned": ("conv_unaligned", "conv", "matmul"), "attention": ("attention",),
                      "norm": ("norm",), "loss": ("loss",), "transcendental": ("transcendental", "pointwise"),
                      "batch_norm": ("batch_norm", "norm"),
@@ -401,7 +402,8 @@ def _memory_floor(op: "OpInfo", hw: "HardwareProfile", phase: Phase, io_bytes: i
     """The least an op priced by its FLOPs takes: one pass over its operands and outputs in forward,
     one per operand that needs a gradient in backward, each at the measured pointwise rate (0 where
     none is measured). A FLOPs curve is timed on square operands; a matmul on a few rows (a linear on
-    a batch of 8) moves its whole weight for few FLOPs, and on a CPU rank took 3-9x the curve's time."""
+    a batch of 8) moves its whole weight for few FLOPs, and on a CPU rank took 3-9x the curve's time
+    (the ``matmul_rows<r>`` curves price those where a profile has them)."""
     one = hw.op_seconds("pointwise", io_bytes, Phase.FWD, op.compute_dtype)
     if one is None:
         return 0.0

@@ -10,7 +10,7 @@ import torch
 from autoshard.capture import capture
 from autoshard.enumerate import node_strategies
 from autoshard.handlers import handler_for
-from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareError,
+from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareError,
                                 HardwareProfile, OptimizerModel, load_hardware)
 from autoshard.mesh import MeshSpec
 from autoshard.profile import COMPUTE_OPS, ProfileError, fit_alpha_beta, fit_optimizer, op_work, overlap_fraction
@@ -211,7 +211,8 @@ def _curve(**changes):
     ({"compute": {"float32": {"norm": {"work": [1e5, 1e3], "fwd": [1, 2], "bwd": [1, 2]}}}},
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
-     r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, conv, conv_unaligned, attention, pointwise, "
+     r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, matmul_rows1, matmul_rows2, matmul_rows4, "
+         r"matmul_rows8, conv, conv_unaligned, attention, pointwise, "
      r"transcendental, exp, log, tanh, "
      r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, sync_batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
@@ -285,6 +286,7 @@ def test_overlap_fraction():
 
 
 # -- the cost model prices compute from the curves --------------------------------------------------
+FEW_ROWS_FAMILIES = {f"matmul_rows{r}" for r in FEW_ROWS}
 RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
 RATE["pointwise"] = 1e-15     # a memory pass far cheaper than any FLOPs curve: no matmul here is bound by it
 BWD_RATE = {f: 3 * r for f, r in RATE.items()}
@@ -388,6 +390,41 @@ def test_a_matmul_on_few_rows_is_priced_no_faster_than_a_memory_pass_over_its_op
         assert (1e-11 * io > 1e-12 * flops) == bound_by_memory
         assert rep.compute_fwd == pytest.approx(fwd, rel=1e-9)
         assert rep.compute_bwd == pytest.approx(bwd, rel=1e-9)
+
+
+@pytest.mark.parametrize("rows, curve", [(1, "matmul_rows1"), (3, "matmul_rows2"), (5, "matmul_rows4"),
+                                          (15, "matmul_rows8"), (16, None)])
+def test_a_matmul_on_few_rows_goes_by_the_curve_of_its_rows_by_bytes(rows, curve):
+    """A linear on fewer rows than the matmul curve is timed on runs on kernels of its own, bound by
+    its weight's bytes: the ``matmul_rows<r>`` curve of the largest measured row count not above its
+    rows, at its local bytes, forward and backward; from 16 rows the matmul curve by FLOPs; on a
+    profile measured before the few-row curves, the matmul curve."""
+    x, w = torch.randn(rows, 64, requires_grad=True), torch.randn(256, 64, requires_grad=True)
+    graph, node = _compute_node(torch.nn.functional.linear, (x, w))
+    flops, io = 2 * rows * 64 * 256, 4 * (rows * 64 + 256 * 64 + rows * 256)
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), linear_in_work()).strategies
+    work, family = (flops, "matmul") if curve is None else (io, curve)
+    assert rep.compute_fwd == pytest.approx(RATE[family] * work, rel=1e-9)
+    assert rep.compute_bwd == pytest.approx(BWD_RATE[family] * work, rel=1e-9)
+    older = linear_in_work(families=[f for f in COMPUTE_FAMILIES if not f.startswith("matmul_rows")])
+    (rep,) = node_strategies(graph, node, MeshSpec((1, 1)), older).strategies
+    assert rep.compute_fwd == pytest.approx(RATE["matmul"] * flops, rel=1e-9)
+
+
+def test_a_matmul_s_rows_are_its_shard_s():
+    """The rows are the local shard's: a linear on 8 rows has 8 replicated, 2 where the batch is
+    split over 4 devices, 4 split over 2."""
+    x, w = torch.randn(8, 64, requires_grad=True), torch.randn(256, 64, requires_grad=True)
+    graph, node = _compute_node(torch.nn.functional.linear, (x, w))
+    by_rows_split = {}
+    for s in node_strategies(graph, node, MeshSpec((2, 2)), linear_in_work()):
+        out = s.output_specs[0]
+        if not s.input_specs[1].dims[0] and not out.dims[1] and s.input_specs[0].dims[1] == ():
+            by_rows_split[out.shard_factor(0, (2, 2))] = s
+    weight = 4 * 256 * 64
+    for split, family in ((1, "matmul_rows8"), (2, "matmul_rows4"), (4, "matmul_rows2")):
+        io = weight + 4 * (8 * 64 + 8 * 256) // split
+        assert by_rows_split[split].compute_fwd == pytest.approx(RATE[family] * io, rel=1e-9)
 
 
 def _priced_by_its_curve_else(fn, args, flops: float, curve: str, own: str, fallback: str) -> None:
@@ -538,10 +575,11 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 
 
 def test_cpu_gloo_carries_measured_compute():
-    """The shipped CPU profile is measured by `autoshard profile` (before ``conv_unaligned`` was: its
-    unaligned convolutions go by ``conv``)."""
+    """The shipped CPU profile is measured by `autoshard profile` (before ``conv_unaligned`` and the
+    few-row matmul curves were: its unaligned convolutions go by ``conv``, its linears on few rows by
+    ``matmul`` and the memory floor)."""
     hw = load_hardware("cpu-gloo")
-    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES) - {"conv_unaligned"}
+    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES) - {"conv_unaligned", *FEW_ROWS_FAMILIES}
     assert all(len(c.work) >= 5 for c in hw.compute["float32"].values())
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
@@ -552,11 +590,12 @@ def test_cpu_gloo_carries_measured_compute():
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
     bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
-    ``conv_unaligned``, added after that measurement (their unaligned convolutions go by ``conv``), and
-    ``sync_batch_norm``, measured later the same way on one H200."""
+    ``conv_unaligned`` and the few-row matmul curves, added after that measurement (their unaligned
+    convolutions go by ``conv``, their linears on few rows by ``matmul``), and ``sync_batch_norm``,
+    measured later the same way on one H200."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}
-    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - {"conv_unaligned"} for dt in hw.compute)
+    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - {"conv_unaligned", *FEW_ROWS_FAMILIES} for dt in hw.compute)
     assert hw.optimizer is not None and hw.overlap is None            # one GPU: no overlap to measure
     assert "H100" in hw.description and hw.extra["measured"]["backend"] == "nccl"
     bf16, fp32 = hw.compute["bfloat16"]["matmul"], hw.compute["float32"]["matmul"]

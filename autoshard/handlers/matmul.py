@@ -8,10 +8,12 @@ per mesh axis when two axes shard different leading dims, e.g. ``_0_1``).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from ..hardware import few_rows_family
 from ..opinfo import OpInfo
 from ..specs import ShardSpec
 from ..strategy import PARTIAL, AxisOption
@@ -108,7 +110,21 @@ def _matmul_curve(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs: Sequence
     return "matmul"
 
 
-@register(aten.linear.default, family="matmul", curve=_matmul_curve, namer=_matmul_namer(0, 1, [[1], [0]]),
+def _weight_matmul_curve(op: OpInfo, in_specs: Sequence[ShardSpec], out_specs: Sequence[ShardSpec | None]) -> str:
+    """A matmul by a 2-D weight (linear, addmm, mm) on fewer local rows than the ``matmul`` curve is
+    timed on goes by the ``matmul_rows<r>`` curve of its rows (:func:`few_rows_family`; priced by
+    bytes where the profile has it, else by the ``matmul`` curve): it reads its whole weight for few
+    FLOPs, on kernels of their own. Otherwise as :func:`_matmul_curve`."""
+    out, spec = op.outputs[0], out_specs[0]
+    if out is not None and len(out.shape) >= 2:
+        local = out.shape if spec is None else spec.local_shape(out.shape, op.mesh.shape)
+        few = few_rows_family(math.prod(local[:-1]))
+        if few is not None:
+            return few
+    return _matmul_curve(op, in_specs, out_specs)
+
+
+@register(aten.linear.default, family="matmul", curve=_weight_matmul_curve, namer=_matmul_namer(0, 1, [[1], [0]]),
           kernel=_bias_after_reduce(bias_operand=2, bias_arg=2),
           doc="Y = X W^T + b: shard a leading dim of X (m), out features (n), or in features (k -> partial)")
 def linear_rules(op: OpInfo) -> list[AxisOption]:
@@ -118,7 +134,7 @@ def linear_rules(op: OpInfo) -> list[AxisOption]:
                         bias=2 if has_bias else None)
 
 
-@register(aten.addmm.default, family="matmul", curve=_matmul_curve, namer=_matmul_namer(1, 2, [[0], [1]]),
+@register(aten.addmm.default, family="matmul", curve=_weight_matmul_curve, namer=_matmul_namer(1, 2, [[0], [1]]),
           kernel=_bias_after_reduce(bias_operand=0, bias_arg=0),
           doc="Y = b + X W (W as [in, out]): shard m, n, or k -> partial")
 def addmm_rules(op: OpInfo) -> list[AxisOption]:
@@ -136,7 +152,7 @@ def _broadcast_dim(shape: Sequence[int], out_rank: int, out_dim: int) -> int | N
     return d if d >= 0 and shape[d] != 1 else None
 
 
-@register(aten.mm.default, family="matmul", curve=_matmul_curve, namer=_matmul_namer(0, 1, [[0], [1]]),
+@register(aten.mm.default, family="matmul", curve=_weight_matmul_curve, namer=_matmul_namer(0, 1, [[0], [1]]),
           doc="Y = X W: shard m, n, or k -> partial")
 def mm_rules(op: OpInfo) -> list[AxisOption]:
     """mm(x[m, k], w[k, n])"""

@@ -21,7 +21,9 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   also bfloat16: forward and backward seconds of one op against its forward work, for the families
   ``matmul`` (``F.linear`` with bias, transformer-like tokens x in -> out shapes, thin and square),
   ``matmul_unaligned`` (the same with out features + 1, rows of no whole multiple of 16 bytes, as an
-  odd vocabulary makes them: a GPU runs them on slower kernels),
+  odd vocabulary makes them: a GPU runs them on slower kernels), ``matmul_rows1``, ``matmul_rows2``,
+  ``matmul_rows4`` and ``matmul_rows8`` (``F.linear`` on 1, 2, 4 and 8 rows, weights of 256 KiB to 16 MiB,
+  by bytes: a linear on a few rows reads its whole weight for few FLOPs),
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, 16 to 64 channels on 8x8 to 64x64 images),
   ``conv_unaligned`` (the same with channel counts of no whole multiple of 16, 4 to 40: oneDNN runs
   them outside its blocked layouts),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, ComputeCurve, HardwareProfile, OptimizerModel
+from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareProfile, OptimizerModel
 from ..progress import Progress
 from .timing import ProfileError, _barrier, _device, _dtypes, _max_over_ranks, _median_time, _sync
 
@@ -67,6 +67,8 @@ MATMUL_SHAPES = ((16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (
 # the same with rows that are no whole multiple of 16 bytes (out features + 1; the chain alternates, so
 # in features too), as an odd vocabulary makes them: GPUs run these on slower kernels
 MATMUL_UNALIGNED_SHAPES = ((16, 64, 65), (64, 256, 257), (512, 512, 513), (1024, 768, 769), (2048, 768, 3073))
+# linears on few rows (FEW_ROWS), one curve per row count, by bytes: weights of 256 KiB to 16 MiB
+FEW_ROWS_WEIGHTS = ((256, 256), (512, 1024), (1024, 2048), (2048, 2048))       # in, out
 IMAGE_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 16, 64, 64), (4, 32, 64, 64), (8, 64, 64, 64))  # N, C, H, W
 # convolutions: channel counts that are whole multiples of 16 (oneDNN's blocked layouts), and the same
 # sizes with counts that are not (a first layer's 3 colours, a 16-channel layer split over 2 or 4
@@ -85,6 +87,7 @@ CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "norm": ((65536, 4096),), "loss": ((8192, 131072),),
               "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),),
               "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
+              **{f"matmul_rows{r}": ((r, 8192, 8192),) for r in FEW_ROWS},
               **{name: (33554432,) for name in ELEMENTWISE_FUNCTIONS}}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-byte rate shows from ~100 MB
@@ -213,6 +216,7 @@ def _cross_entropy(shape, dtype, device) -> _Op:
 COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "matmul": (MATMUL_SHAPES, (_linear,)),
     "matmul_unaligned": (MATMUL_UNALIGNED_SHAPES, (_linear,)),
+    **{f"matmul_rows{r}": (tuple((r, n_in, n_out) for n_in, n_out in FEW_ROWS_WEIGHTS), (_linear,)) for r in FEW_ROWS},
     "conv": (CONV_SHAPES, (_conv2d,)),
     "conv_unaligned": (CONV_UNALIGNED_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
@@ -512,7 +516,7 @@ def remeasure_drift(hw: HardwareProfile, iters: int = 5, families: Sequence[str]
 
 
 DRIFT_PROXY: Mapping[str, str] = {
-    "matmul_unaligned": "matmul", "sync_batch_norm": "batch_norm",
+    "matmul_unaligned": "matmul", **{f"matmul_rows{r}": "matmul" for r in FEW_ROWS}, "sync_batch_norm": "batch_norm",
     **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss")}}
 """The timed family whose drift a family :func:`remeasure_drift` does not time is taken to share: the
 same kernel on other shapes, or (memory-bound ops) the pointwise pass."""

@@ -238,7 +238,8 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"Roofline fallback: FLOP/s from {matmul_n}^3 matmuls, memory bandwidth from a "
         f"{format_bytes(_COPY_BYTES)} copy (read + write), all ranks at once, slowest rank kept.",
         f"Compute curves ({', '.join(_dtypes(device))}): forward and backward seconds per op of F.linear "
-        f"(matmul; and with rows of no whole multiple of 16 bytes, matmul_unaligned), 3x3 F.conv2d (conv; and with channels of no whole multiple of 16, conv_unaligned), causal F.scaled_dot_product_attention (attention), the median of add and mul "
+        f"(matmul; and with rows of no whole multiple of 16 bytes, matmul_unaligned; on 1, 2, 4 and 8 rows, "
+        f"matmul_rows1 to matmul_rows8, by bytes), 3x3 F.conv2d (conv; and with channels of no whole multiple of 16, conv_unaligned), causal F.scaled_dot_product_attention (attention), the median of add and mul "
         f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), each of exp, log, tanh, sigmoid, "
         f"SiLU, GELU and tanh-GELU (their own curves), F.layer_norm (norm), training "
         f"F.batch_norm (batch_norm), the runtime's sync-BN kernel's local compute (sync_batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
