@@ -69,6 +69,7 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models mlp-256,mlp-512,llama-224,cnn-40 --name plan_fidelity_fourth": ARGS,  # ~29 min
     "python bench/plan_fidelity.py --models mlp-256,mlp-512 --name plan_fidelity_mlp": ARGS,  # ~19 min
     "python bench/plan_fidelity.py --models mlp-256,mlp-512 --name plan_fidelity_mlprows": ARGS,  # ~21 min
+    "python bench/plan_fidelity.py --models mlp-128,mlp-768 --name plan_fidelity_mlpheldout": ARGS,  # ~20 min
     "python bench/step_decomposition.py --models mlp-512,mlp-256 --plans data_parallel,solved "
     "--hardware bench/results/plan_fidelity_fourth-profile.yaml": ARGS,     # 1.5 min, a diagnosis
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks
