@@ -24,7 +24,9 @@ times an add's time per byte on a CPU; the median of four of them), one curve pe
 costs per byte are 10x apart on a CPU; other transcendental functions go by the median), ``norm``
 (layer and RMS norms), ``batch_norm`` (training batch norm), ``sync_batch_norm`` (the runtime's
 training batch norm with statistics synchronised over devices, its local compute), ``max_pool`` and ``avg_pool`` (windowed
-pools: 40x and 15x an add per byte on a CPU) and ``loss``. Both curves are indexed by the forward
+pools: 40x and 15x an add per byte on a CPU), ``loss`` and ``copy_blocks`` (a copy in runs of
+:data:`COPY_RUN` elements: what laying a shard out along an inner dim costs, see
+:meth:`HardwareProfile.copy_seconds`). Both curves are indexed by the forward
 work; ``bwd`` is the time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
 keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
@@ -155,13 +157,22 @@ def few_rows_family(rows: int) -> str | None:
     return f"matmul_rows{max(r for r in FEW_ROWS if r <= rows)}"
 
 
+COPY_RUN = 16
+"""Elements per contiguous run of the ``copy_blocks`` curve: a copy that reads or writes its tensor in
+runs this short (laying a shard out along an inner dim) moves fewer bytes per second than a
+contiguous one (one CPU core: 1.8x a contiguous copy's time at 4 MiB; runs of 64 1.4x, 256 1.2x)."""
+
+CONTIGUOUS_RUN = 1024
+"""Runs of at least this many elements copy at the contiguous rate (:meth:`HardwareProfile.copy_seconds`)."""
+
+
 COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "matmul_unaligned": "FLOPs", **{f"matmul_rows{r}": "bytes" for r in FEW_ROWS},
     "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
     "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "sync_batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes",
-    "loss": "bytes"}
+    "loss": "bytes", "copy_blocks": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
 PHASES = (Phase.FWD, Phase.BWD)
@@ -302,8 +313,8 @@ class HardwareProfile:
     def copy_pricing_key(self, dtype: str | None) -> tuple:
         """Everything :meth:`copy_seconds` (for ``dtype``) and :meth:`dispatch_seconds` read (a cache
         key for prices built on them)."""
-        curve = None if dtype is None else self.compute.get(dtype.removeprefix("torch."), {}).get("pointwise")
-        return (self.memory_bandwidth, curve, self.dispatch_seconds())
+        curves = self.compute.get(dtype.removeprefix("torch."), {}) if dtype is not None else {}
+        return (self.memory_bandwidth, curves.get("pointwise"), curves.get("copy_blocks"), self.dispatch_seconds())
 
     def link_pricing_key(self) -> tuple:
         """Everything :meth:`link` and :meth:`small_all_reduce_seconds` read (a cache key for collective
@@ -312,16 +323,29 @@ class HardwareProfile:
                 tuple(sorted((kind, tuple(sorted(groups.items()))) for kind, groups in self.kinds.items())),
                 tuple(sorted(self.small_all_reduce.items())))
 
-    def copy_seconds(self, nbytes: float, dtype: str | None) -> float:
+    def copy_seconds(self, nbytes: float, dtype: str | None, run: int | None = None) -> float:
         """One memory-bound pass that reads ``nbytes`` and writes as many (a local copy the runtime
         makes: flattening gradients into a bucket, laying a gathered shard out along its dim): the
         measured pointwise rate at that size (``dtype`` a dtype name, ``torch.`` prefix allowed),
-        else (or with ``dtype`` None) read plus write over the memory bandwidth."""
+        else (or with ``dtype`` None) read plus write over the memory bandwidth.
+
+        ``run``: elements per contiguous run the copy reads or writes (None: one contiguous block).
+        Below :data:`CONTIGUOUS_RUN`, where the profile has a ``copy_blocks`` curve (runs of
+        :data:`COPY_RUN`), the price goes from that curve's (runs of ``COPY_RUN`` or fewer) to the
+        contiguous one (``CONTIGUOUS_RUN``) geometrically in log(run), never below the contiguous
+        price; runs shorter than ``COPY_RUN`` take its curve's (the runtime's copies run longer)."""
         if nbytes <= 0:
             return 0.0
-        measured = None if dtype is None else self.op_seconds("pointwise", 2.0 * nbytes, Phase.FWD,
-                                                              dtype.removeprefix("torch."))
-        return measured if measured is not None else 2.0 * nbytes / self.memory_bandwidth
+        dtype = None if dtype is None else dtype.removeprefix("torch.")
+        measured = None if dtype is None else self.op_seconds("pointwise", 2.0 * nbytes, Phase.FWD, dtype)
+        contiguous = measured if measured is not None else 2.0 * nbytes / self.memory_bandwidth
+        if run is None or run >= CONTIGUOUS_RUN or dtype is None:
+            return contiguous
+        blocks = self.op_seconds("copy_blocks", 2.0 * nbytes, Phase.FWD, dtype)
+        if blocks is None:
+            return contiguous
+        w = math.log(max(run, COPY_RUN) / COPY_RUN) / math.log(CONTIGUOUS_RUN / COPY_RUN)
+        return max(contiguous, blocks ** (1.0 - w) * contiguous ** w)
 
     # -- io ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:

@@ -20,13 +20,14 @@ for each mesh axis ``a`` (``n_a`` devices), the moves are:
 A move costs its collective (:mod:`autoshard.comm_cost`, bytes by its convention, from the local
 shard of the CURRENT spec) plus the local copies the runtime makes around it
 (:class:`~autoshard.runtime.collectives.MeshComm`), each one memory-bound pass
-(:meth:`~autoshard.hardware.HardwareProfile.copy_seconds`): a gather or a split along a dim that is
-not the shard's outermost non-trivial one lays the shard out contiguously (a split: its slice; a
-gather: its input and its output; a split along the outermost one is a view, which costs what an
-op costs to dispatch, :meth:`~autoshard.hardware.HardwareProfile.dispatch_seconds`, so that of two
-plans otherwise alike the one that runs fewer ops is the cheaper), an all-to-all stacks its blocks
-and concatenates what it gets, a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a partial axis starts from a
-clone or zeros. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
+(:meth:`~autoshard.hardware.HardwareProfile.copy_seconds`, at the rate of its contiguous runs): a
+gather or a split along a dim that is not the shard's outermost non-trivial one lays the shard out
+contiguously (a split: its slice; a gather: the gathered blocks concatenated along the dim; along the
+outermost one a gather's result is a view, and a split's a view, which costs what an op costs to
+dispatch, :meth:`~autoshard.hardware.HardwareProfile.dispatch_seconds`, so that of two plans
+otherwise alike the one that runs fewer ops is the cheaper), an all-to-all stacks its blocks and
+concatenates what it gets, a reduce-scatter stacks its blocks, an all-reduce runs on a clone, a
+partial axis starts from a clone or zeros. All moves have non-negative cost, so Dijkstra finds the optimum; ties in cost are
 broken by fewer steps. Every fitting spec is reachable from every other (all-reduce the partial
 axes and gather innermost-first down to replicated; then make the target's partial axes and split
 its axes outer-first), so an unreachable target means it does not fit.
@@ -134,13 +135,20 @@ def _strided(shape: Sequence[int], dim: int) -> bool:
     return math.prod(shape[:dim]) > 1
 
 
+def _run(shape: Sequence[int], dim: int, parts: int = 1) -> int:
+    """Elements per contiguous run of one of ``parts`` blocks along ``dim`` of a contiguous tensor
+    of ``shape`` (what a copy laying that block out, or concatenating such blocks, moves at a time)."""
+    return max(1, shape[dim] // parts) * math.prod(shape[dim + 1:])
+
+
 def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
     """Every move out of ``spec`` (targets not yet checked for fitting), priced with its copies."""
     shape = spec.local_shape(p.shape, p.mesh_shape)
     local = math.prod(shape) * p.itemsize
 
-    def copies(*nbytes: float) -> float:
-        return sum(p.hw.copy_seconds(b, p.dtype) for b in nbytes)
+    def copies(*passes: tuple[float, int | None]) -> float:
+        """Local copies of (bytes, elements per contiguous run; None: one block) each."""
+        return sum(p.hw.copy_seconds(b, p.dtype, run) for b, run in passes)
 
     def comm(kind: str, axis: int, dims: tuple[int, ...], nbytes: int, after: ShardSpec, copied: float) -> ReshardStep:
         cost = collective_cost(kind, nbytes, (axis,), p.mesh_shape, p.hw) + copied
@@ -152,20 +160,24 @@ def _moves(spec: ShardSpec, p: _Problem) -> Iterator[ReshardStep]:
         targets = [t for t in range(spec.ndim) if t != d and _appendable(spec, a, t)]
         if a in spec.partial:
             done = spec.with_partial(set(spec.partial) - {a})
-            yield comm(ALL_REDUCE, a, (), local, done, copies(local))
-            for t in targets:
-                yield comm(REDUCE_SCATTER, a, (t,), local, done.with_dim(t, spec.dims[t] + (a,)), copies(local))
+            yield comm(ALL_REDUCE, a, (), local, done, copies((local, None)))
+            for t in targets:     # the n blocks along t stacked one after another
+                yield comm(REDUCE_SCATTER, a, (t,), local, done.with_dim(t, spec.dims[t] + (a,)),
+                           copies((local, _run(shape, t, n))))
         elif d is None:
             for t in targets:
-                cost = copies(local / n) if _strided(shape, t) else p.hw.dispatch_seconds()
+                cost = copies((local / n, _run(shape, t, n))) if _strided(shape, t) else p.hw.dispatch_seconds()
                 yield ReshardStep(SPLIT, a, (t,), 0, cost, spec.with_dim(t, spec.dims[t] + (a,)))
-            yield ReshardStep(TO_PARTIAL, a, (), 0, copies(local), spec.with_partial(spec.partial + (a,)))
+            yield ReshardStep(TO_PARTIAL, a, (), 0, copies((local, None)), spec.with_partial(spec.partial + (a,)))
         elif spec.dims[d][-1] == a:
             gathered = spec.with_dim(d, spec.dims[d][:-1])
-            laid_out = copies(local, local * n) if _strided(shape, d) else 0.0
+            # the gathered blocks concatenated along d (a view where d is the outermost non-trivial dim)
+            laid_out = copies((local * n, _run(shape, d))) if _strided(shape, d) else 0.0
             yield comm(ALL_GATHER, a, (d,), local * n, gathered, laid_out)
-            for t in targets:
-                yield comm(ALL_TO_ALL, a, (d, t), local, gathered.with_dim(t, spec.dims[t] + (a,)), copies(local, local))
+            for t in targets:     # this shard's n blocks along t stacked; the n received ones concatenated along d
+                piece = [s // n if i == t else s for i, s in enumerate(shape)]
+                yield comm(ALL_TO_ALL, a, (d, t), local, gathered.with_dim(t, spec.dims[t] + (a,)),
+                           copies((local, _run(shape, t, n)), (local, _run(piece, d))))
 
 
 class ReshardTable:

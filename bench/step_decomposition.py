@@ -2,7 +2,7 @@
 
 The plan fidelity bench compares whole steps; this one takes autoshard plans apart (by default the
 data-parallel plan, the one the solver picks on most models of that bench; ``--plans`` takes any
-baselines and ``solved``), on 4 gloo ranks (2x2 mesh), under a measured profile (by default the one
+baselines, ``solved`` and saved plans, ``*.json``), on 4 gloo ranks (2x2 mesh), under a measured profile (by default the one
 the last fidelity run measured). Per model and plan, five configurations run interleaved (the order
 rotates every iteration):
 
@@ -188,8 +188,12 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
     rank = dist.get_rank()
     model, kwargs = build(key)
     graph = capture_meta(model, (), kwargs, name=key)
-    plan, _ = plan_on_rank0(graph, None, MESH, None if plan_name == "solved" else plan_name, rank, OUTPUTS,
-                            hw_path, name=key, **function_options(key))
+    if plan_name.endswith(".json"):     # a saved plan (``Plan.save``), made for this model and mesh
+        from autoshard.plans import Plan
+        plan = Plan.load(plan_name, graph)
+    else:
+        plan, _ = plan_on_rank0(graph, None, MESH, None if plan_name == "solved" else plan_name, rank, OUTPUTS,
+                                hw_path, name=key, **function_options(key))
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)
     plain, _ = build(key)
     runs: dict[str, tuple[torch.nn.Module, dict, torch.optim.Optimizer]] = {
@@ -294,7 +298,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
     for r in results:
         p = parts(r)
         plain = r["measured_ms"]["plain"]["mean"]
-        rows.append([r["model"], r.get("plan", "data_parallel"), f"{plain['fwd'] + plain['bwd']:.1f}",
+        rows.append([r["model"], Path(r.get("plan", "data_parallel")).stem, f"{plain['fwd'] + plain['bwd']:.1f}",
                      _cell(p["compute"]), _err(p["compute"]), _cell(p["spread"]), _cell(p["collectives"]),
                      _cell(p["optimizer"]), _cell(p["step"]), _err(p["step"]),
                      _cell(p["loop without collectives"]), _err(p["loop without collectives"]),
@@ -321,7 +325,8 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 def main() -> int:
     ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE)
-    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, and 'solved'")
+    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, 'solved', and saved plans (*.json, "
+                    "Plan.save, made for the model; priced by the profile they were made under)")
     ap.add_argument("--iters", type=int, default=24, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per configuration")
     args = ap.parse_args()

@@ -1,5 +1,6 @@
 """Hardware profiles in configs/hardware (measured compute curves, optimizer and overlap included),
 the fits of `autoshard profile`, and the cost model's compute time from a profile."""
+import dataclasses
 import json
 import math
 
@@ -287,6 +288,7 @@ def test_overlap_fraction():
 
 # -- the cost model prices compute from the curves --------------------------------------------------
 FEW_ROWS_FAMILIES = {f"matmul_rows{r}" for r in FEW_ROWS}
+LATER_FAMILIES = {"conv_unaligned", *FEW_ROWS_FAMILIES, "copy_blocks"}     # added after the shipped profiles were measured
 RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
 RATE["pointwise"] = 1e-15     # a memory pass far cheaper than any FLOPs curve: no matmul here is bound by it
 BWD_RATE = {f: 3 * r for f, r in RATE.items()}
@@ -317,7 +319,7 @@ def _compute_node(fn, args):
     return graph, nodes[0]
 
 
-@pytest.mark.parametrize("family", [f for f in COMPUTE_OPS if f != "sync_batch_norm"])   # its own test, below
+@pytest.mark.parametrize("family", [f for f in COMPUTE_OPS if f not in ("sync_batch_norm", "copy_blocks")])  # own tests
 def test_profiled_work_is_the_work_the_cost_model_prices(family):
     """What `autoshard profile` times an op at is what the cost model looks the op up at: FLOPs as
     opinfo counts them, or the bytes of the captured node's operands and outputs. (The functions whose
@@ -331,6 +333,31 @@ def test_profiled_work_is_the_work_the_cost_model_prices(family):
         (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
         assert strategy.compute_fwd == pytest.approx(RATE[family] * op_work(family, op), rel=1e-9)
         assert strategy.compute_bwd == pytest.approx(BWD_RATE[family] * op_work(family, op), rel=1e-9)
+
+
+def test_copies_go_by_their_runs_between_the_copy_blocks_and_contiguous_curves():
+    """``copy_seconds`` looks the ``copy_blocks`` curve up at the work the profile times it at (the
+    bytes it reads and writes) for runs of ``COPY_RUN`` elements or fewer, the pointwise one from
+    ``CONTIGUOUS_RUN`` up (and without a run), geometrically in log(run) between; a profile without
+    the curve prices every copy by the pointwise one."""
+    from autoshard.hardware import CONTIGUOUS_RUN, COPY_RUN
+    sizes, (build,) = COMPUTE_OPS["copy_blocks"]
+    op = build(sizes[2], torch.float32, torch.device("cpu"))
+    nbytes = op.x.numel() * op.x.element_size()
+    assert op_work("copy_blocks", op) == 2 * nbytes
+    hw = linear_in_work(["pointwise", "copy_blocks"])
+    contiguous, blocks = RATE["pointwise"] * 2 * nbytes, RATE["copy_blocks"] * 2 * nbytes
+    assert hw.copy_seconds(nbytes, "float32") == pytest.approx(contiguous)
+    assert hw.copy_seconds(nbytes, "torch.float32", run=1) == pytest.approx(blocks)
+    assert hw.copy_seconds(nbytes, "float32", run=COPY_RUN) == pytest.approx(blocks)
+    assert hw.copy_seconds(nbytes, "float32", run=CONTIGUOUS_RUN) == pytest.approx(contiguous)
+    middle = int(math.sqrt(COPY_RUN * CONTIGUOUS_RUN))
+    assert hw.copy_seconds(nbytes, "float32", run=middle) == pytest.approx(math.sqrt(blocks * contiguous))
+    assert linear_in_work(["pointwise"]).copy_seconds(nbytes, "float32", run=1) == pytest.approx(contiguous)
+    # a blocks curve faster than the contiguous one (noise) never makes a copy cheaper than contiguous
+    fast = linear_in_work(["pointwise"])
+    fast.compute["float32"]["copy_blocks"] = dataclasses.replace(fast.compute["float32"]["pointwise"])
+    assert fast.copy_seconds(nbytes, "float32", run=1) == pytest.approx(contiguous)
 
 
 def test_sync_batch_norm_is_priced_by_the_curve_of_its_kernel_at_the_local_work():
@@ -575,11 +602,11 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 
 
 def test_cpu_gloo_carries_measured_compute():
-    """The shipped CPU profile is measured by `autoshard profile` (before ``conv_unaligned`` and the
-    few-row matmul curves were: its unaligned convolutions go by ``conv``, its linears on few rows by
-    ``matmul`` and the memory floor)."""
+    """The shipped CPU profile is measured by `autoshard profile` (before ``conv_unaligned``, the
+    few-row matmul curves and ``copy_blocks`` were: its unaligned convolutions go by ``conv``, its
+    linears on few rows by ``matmul`` and the memory floor, its copies by ``pointwise``)."""
     hw = load_hardware("cpu-gloo")
-    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES) - {"conv_unaligned", *FEW_ROWS_FAMILIES}
+    assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES) - LATER_FAMILIES
     assert all(len(c.work) >= 5 for c in hw.compute["float32"].values())
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
@@ -590,12 +617,13 @@ def test_cpu_gloo_carries_measured_compute():
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
     bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
-    ``conv_unaligned`` and the few-row matmul curves, added after that measurement (their unaligned
-    convolutions go by ``conv``, their linears on few rows by ``matmul``), and ``sync_batch_norm``,
+    ``conv_unaligned``, the few-row matmul curves and ``copy_blocks``, added after that measurement
+    (their unaligned convolutions go by ``conv``, their linears on few rows by ``matmul``, their copies
+    by ``pointwise``), and ``sync_batch_norm``,
     measured later the same way on one H200."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}
-    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - {"conv_unaligned", *FEW_ROWS_FAMILIES} for dt in hw.compute)
+    assert all(set(hw.compute[dt]) == set(COMPUTE_FAMILIES) - LATER_FAMILIES for dt in hw.compute)
     assert hw.optimizer is not None and hw.overlap is None            # one GPU: no overlap to measure
     assert "H100" in hw.description and hw.extra["measured"]["backend"] == "nccl"
     bf16, fp32 = hw.compute["bfloat16"]["matmul"], hw.compute["float32"]["matmul"]

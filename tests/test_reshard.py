@@ -70,8 +70,8 @@ def test_gather_of_an_inner_dim_pays_its_layout_copies():
     p = plan("RS0", "RR")
     [step] = p.steps
     assert (step.kind, step.dims, step.nbytes) == ("all_gather", (1,), 256)
-    # the shard moved to the front and made contiguous, and the gathered result moved back
-    assert p.cost == pytest.approx(collective_cost("all_gather", 256, (0,), (2, 2), HW) + copy(128) + copy(256))
+    # the gathered blocks concatenated along the dim: one copy of the result
+    assert p.cost == pytest.approx(collective_cost("all_gather", 256, (0,), (2, 2), HW) + copy(256))
 
 
 def test_shard_to_other_dim_is_one_all_to_all():
@@ -104,10 +104,31 @@ def test_copies_priced_by_the_measured_pointwise_curve_of_the_dtype():
     measured = dataclasses.replace(HW, compute={"float32": {"pointwise": curve}})
     p = reshard_plan(S("RS0"), S("RR"), (8, 8), 4, (2, 2), measured, "torch.float32")
     gather = collective_cost("all_gather", 256, (0,), (2, 2), HW)
-    assert p.cost == pytest.approx(gather + curve.seconds(2 * 128, "fwd") + curve.seconds(2 * 256, "fwd"))
+    assert p.cost == pytest.approx(gather + curve.seconds(2 * 256, "fwd"))
     # a dtype with no curve, or none given, falls back to the bandwidth; tables are not shared across these
-    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured, "bfloat16") == pytest.approx(gather + copy(128) + copy(256))
-    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured) == pytest.approx(gather + copy(128) + copy(256))
+    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured, "bfloat16") == pytest.approx(gather + copy(256))
+    assert reshard_cost("RS0", "RR", (8, 8), 4, (2, 2), measured) == pytest.approx(gather + copy(256))
+
+
+def test_copies_in_short_runs_go_by_the_copy_blocks_curve():
+    """A profile with a ``copy_blocks`` curve prices a layout copy by its contiguous runs: the gather
+    of the last dim of (64, 4096) over 2 devices concatenates runs of 2048 elements (the contiguous
+    rate), of (4096, 64) runs of 32 (between the two curves, geometrically in log(run)), of
+    (16384, 16) runs of 8 (the blocks curve)."""
+    from autoshard.hardware import CONTIGUOUS_RUN, COPY_RUN, ComputeCurve
+    from autoshard.reshard import _moves, _problem
+    pointwise = ComputeCurve((1e3, 1e8), (1e-6, 1e-1), (1e-6, 1e-1))
+    blocks = ComputeCurve((1e3, 1e8), (4e-6, 4e-1), (4e-6, 4e-1))
+    measured = dataclasses.replace(HW, compute={"float32": {"pointwise": pointwise, "copy_blocks": blocks}})
+    for shape, run in (((64, 4096), 2048), ((4096, 64), 32), ((16384, 16), 8)):
+        gathered = math.prod(shape) * 4
+        w = min(1.0, math.log(max(run, COPY_RUN) / COPY_RUN) / math.log(CONTIGUOUS_RUN / COPY_RUN))
+        layout = blocks.seconds(2 * gathered, "fwd") ** (1 - w) * pointwise.seconds(2 * gathered, "fwd") ** w
+        moves = _moves(S("RS0"), _problem(shape, 4, (2, 2), measured, "float32"))
+        [gather] = [m for m in moves if m.kind == "all_gather"]
+        assert gather.cost == pytest.approx(collective_cost("all_gather", gathered, (0,), (2, 2), HW) + layout), shape
+    # a split along the outer dim of the shard is a view whatever its rows' length
+    assert reshard_cost("RR", "S0R", (4096, 64), 4, (2, 2), measured, "float32") == pytest.approx(HW.dispatch_seconds())
 
 
 def test_both_axes_gather_goes_innermost_first():
@@ -179,7 +200,7 @@ def one_move(s: ShardSpec, t: ShardSpec, shape, mesh):
     if rs == ("P",):
         return "reduce_scatter", a, (rt[1],), collective_cost("reduce_scatter", local, (a,), mesh, HW) + copy(local)
     if rt is None:
-        layout = copy(local) + copy(local * mesh[a]) if strided(rs[1]) else 0.0
+        layout = copy(local * mesh[a]) if strided(rs[1]) else 0.0
         return "all_gather", a, (rs[1],), collective_cost("all_gather", local * mesh[a], (a,), mesh, HW) + layout
     if rt[0] == "S":
         return "all_to_all", a, (rs[1], rt[1]), collective_cost("all_to_all", local, (a,), mesh, HW) + 2 * copy(local)
@@ -268,3 +289,19 @@ def test_pruned_search_equals_full_enumeration(shape, mesh):
     edges = {s: [(t, m[3]) for t in states if (m := one_move(s, t, shape, mesh))] for s in states}
     for src in states:
         assert brute_force_costs(src, states, edges) == pytest.approx(all_simple_path_costs(src, edges))
+
+
+@pytest.mark.parametrize("shape, dim", [((4, 6, 8), 0), ((4, 6, 8), 1), ((4, 6, 8), 2), ((1, 1, 6, 8), 2), ((2, 3, 4, 8), 3)])
+def test_gathered_blocks_concatenate_to_the_whole_tensor(shape, dim):
+    """The runtime's all-gather receives the shards block after block along dim 0 and concatenates
+    them along the gathered dim: the whole tensor, contiguous (a view where the dims before it have
+    size 1, as the resharding prices it)."""
+    import torch
+
+    from autoshard.runtime.collectives import concat_gathered
+    whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    n = 2
+    blocks = torch.cat([b.contiguous() for b in whole.chunk(n, dim)])     # shard after shard, along dim 0
+    out = concat_gathered(blocks, n, dim)
+    assert torch.equal(out, whole) and out.is_contiguous()
+    assert (out.data_ptr() == blocks.data_ptr()) == (math.prod(shape[:dim]) == 1)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import COMPUTE_FAMILIES, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareProfile, OptimizerModel
+from ..hardware import (COMPUTE_FAMILIES, COPY_RUN, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareProfile,
+                        OptimizerModel)
 from ..progress import Progress
 from .timing import ProfileError, _barrier, _device, _dtypes, _max_over_ranks, _median_time, _sync
 
@@ -88,7 +89,7 @@ CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),),
               "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
               **{f"matmul_rows{r}": ((r, 8192, 8192),) for r in FEW_ROWS},
-              **{name: (33554432,) for name in ELEMENTWISE_FUNCTIONS}}
+              **{name: (33554432,) for name in (*ELEMENTWISE_FUNCTIONS, "copy_blocks")}}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-byte rate shows from ~100 MB
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
@@ -168,6 +169,16 @@ def _binary(fn):
     return build
 
 
+def _copy_blocks(units, dtype, device) -> _Op:
+    """A copy that reads its input in runs of :data:`~autoshard.hardware.COPY_RUN` elements (two
+    halves interleaved run by run, as laying a shard out along an inner dim does); the chain keeps
+    its shape."""
+    def copy(x):
+        return x.view(-1, 2, COPY_RUN).transpose(0, 1).contiguous().view(-1)
+
+    return _Op(copy, _leaf((3 * units,), dtype, device), lambda i: ())
+
+
 def _layer_norm(shape, dtype, device) -> _Op:
     def norm(x, w, b):
         return F.layer_norm(x, x.shape[-1:], w, b)
@@ -236,6 +247,7 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "max_pool": (IMAGE_SHAPES, (_pool(F.max_pool2d),)),
     "avg_pool": (IMAGE_SHAPES, (_pool(F.avg_pool2d),)),
     "loss": (LOSS_SHAPES, (_cross_entropy,)),
+    "copy_blocks": (POINTWISE_UNITS, (_copy_blocks,)),
 }
 
 
@@ -517,7 +529,8 @@ def remeasure_drift(hw: HardwareProfile, iters: int = 5, families: Sequence[str]
 
 DRIFT_PROXY: Mapping[str, str] = {
     "matmul_unaligned": "matmul", **{f"matmul_rows{r}": "matmul" for r in FEW_ROWS}, "sync_batch_norm": "batch_norm",
-    **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss")}}
+    **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss",
+                                      "copy_blocks")}}
 """The timed family whose drift a family :func:`remeasure_drift` does not time is taken to share: the
 same kernel on other shapes, or (memory-bound ops) the pointwise pass."""
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..hardware import HardwareProfile, LinkModel, SmallMessages
+from ..hardware import COPY_RUN, HardwareProfile, LinkModel, SmallMessages
 from ..mesh import MeshError, MeshSpec
 from ..progress import Progress
 from ..units import format_bytes
@@ -242,7 +242,7 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"matmul_rows1 to matmul_rows8, by bytes), 3x3 F.conv2d (conv; and with channels of no whole multiple of 16, conv_unaligned), causal F.scaled_dot_product_attention (attention), the median of add and mul "
         f"(pointwise), of tanh-GELU, SiLU, tanh and sigmoid (transcendental), each of exp, log, tanh, sigmoid, "
         f"SiLU, GELU and tanh-GELU (their own curves), F.layer_norm (norm), training "
-        f"F.batch_norm (batch_norm), the runtime's sync-BN kernel's local compute (sync_batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss) "
+        f"F.batch_norm (batch_norm), the runtime's sync-BN kernel's local compute (sync_batch_norm), 2x2 F.max_pool2d (max_pool) and F.avg_pool2d (avg_pool), F.cross_entropy (loss), a copy in runs of {COPY_RUN} elements (copy_blocks) "
         f"against forward FLOPs "
         f"(FlopCounterMode) or bytes in + out; each op timed in a chain of identical ops, long enough for "
         f"2e8 FLOPs or 1.6e7 bytes and {_CHAIN_S * 1e3:g} ms of forward + backward, at most {_MAX_CHAIN} "

@@ -147,13 +147,15 @@ class MeshComm(MeshCoordinates):
         return t
 
     def all_gather(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
+        """Un-shard ``dim`` over ``axis``: the shards, gathered block after block, concatenated along
+        ``dim`` (:func:`concat_gathered`, whose copy :mod:`autoshard.reshard` prices). The result is
+        contiguous, as the single-device op's output is: a later aten.view needs the strides."""
         n = self.mesh_shape[axis]
-        src = t.movedim(dim, 0).contiguous()
+        src = t.contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self.counter.add("all_gather", (axis,), phase, _nbytes(out))
         self.wait(dist.all_gather_single(out, src, group=self.group((axis,)), async_op=True))
-        # contiguous, as the single-device op's output is: a later aten.view needs the strides
-        return out.movedim(0, dim).contiguous()
+        return concat_gathered(out, n, dim)
 
     def gather_flat(self, piece: torch.Tensor, axes: Sequence[int], phase: str) -> torch.Tensor:
         """All-gather equal flat pieces over ``axes`` (block order = shard index): the flat whole."""
@@ -438,6 +440,16 @@ def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ..
     return x.contiguous() if not x.is_contiguous() else x
 
 
+def concat_gathered(blocks: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``n`` equal blocks gathered one after another along dim 0 of ``blocks`` (an all-gather's
+    output), concatenated along ``dim`` instead: a view where every dim before ``dim`` has size 1,
+    else one copy in runs of a block's ``dim`` and the dims inside it. Contiguous either way."""
+    shape = (blocks.shape[0] // n, *blocks.shape[1:])
+    if math.prod(shape[:dim]) == 1:
+        return blocks.view(*shape[:dim], n * shape[dim], *shape[dim + 1:])
+    return torch.cat(blocks.view(n, *shape).unbind(0), dim=dim)
+
+
 def gather_whole(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     """The global tensor of this rank's block ``x`` (the inverse of :func:`shard_input`): one all-gather
     per sharded dim over the group of its mesh axes (a dim sharded over both axes in one, on the
@@ -448,10 +460,10 @@ def gather_whole(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], .
         if not live:
             continue
         n = comm.shard_count(live)
-        src = x.movedim(d, 0).contiguous()
+        src = x.contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, src, group=comm.group(live))
-        x = out.movedim(0, d)
+        x = concat_gathered(out, n, d)
     return x.contiguous()
 
 

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from ..plans import Plan, PlanError
 from ..memory.module_state import update_state_once
-from .collectives import MeshComm, Move, flatten_grads, split_scattered, unflatten_gathered
+from .collectives import MeshComm, Move, concat_gathered, flatten_grads, split_scattered, unflatten_gathered
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]
 
@@ -97,8 +97,7 @@ def run_moves(t: torch.Tensor, moves: Sequence[Move], layout: Layout) -> torch.T
     for kind, axis, dims in moves:
         n = shape[axis]
         if kind == "all_gather":
-            gathered = _all_gather_dim0(t.movedim(dims[0], 0), layout, (axis,))
-            t = gathered.movedim(0, dims[0]).contiguous()
+            t = concat_gathered(_all_gather_dim0(t, layout, (axis,)), n, dims[0])
         elif kind == "split":
             t = t.chunk(n, dims[0])[coord[axis]].contiguous()
         elif kind == "all_to_all":
