@@ -342,69 +342,89 @@ class _Reshard(torch.autograd.Function):
 
 class _GatherParams(torch.autograd.Function):
     """Shards -> whole tensors through one flat all-gather; gradients back through one flat
-    reduce-scatter. Rank ``k`` (shard index over ``axes``) holds block ``k`` of each sharded dim, so
-    each shard, its sharded dim moved first and flattened, is one contiguous piece of the whole."""
+    reduce-scatter. Rank ``k`` (shard index over ``axes``) holds block ``k`` of each sharded dim; its
+    shards lie one after another in their own layouts in block ``k`` of the gathered buffer (see
+    :func:`unflatten_gathered` and :func:`flatten_grads` for the copies in and out)."""
 
     @staticmethod
     def forward(ctx, comm: MeshComm, axes: tuple[int, ...], dims: tuple[int, ...],  # type: ignore[override]
                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = comm.shard_count(axes)
-        moved = [s.detach().movedim(d, 0) for s, d in zip(shards, dims)]
-        if param_dtype is not None:
-            moved = [m.to(param_dtype) for m in moved]
+        dtype = param_dtype if param_dtype is not None else shards[0].dtype
         ctx.comm, ctx.axes, ctx.dims, ctx.n = comm, axes, dims, n
-        ctx.moved_shapes = [m.shape for m in moved]
-        ctx.dtype, ctx.device = moved[0].dtype, moved[0].device
+        ctx.shapes = [tuple(s.shape) for s in shards]
+        ctx.dtype, ctx.device = dtype, shards[0].device
         ctx.reduce_dtype, ctx.shard_dtypes = reduce_dtype, [s.dtype for s in shards]
-        blocks = comm.gather_flat(torch.cat([m.reshape(-1) for m in moved]), axes, comm.phase).view(n, -1)
-        return unflatten_gathered(blocks, moved, dims)
+        flat = torch.cat([s.detach().reshape(-1).to(dtype) for s in shards])
+        blocks = comm.gather_flat(flat, axes, comm.phase).view(n, -1)
+        return unflatten_gathered(blocks, ctx.shapes, dims)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        flat = flatten_grads(grads, ctx.moved_shapes, ctx.dims, ctx.n, ctx.dtype, ctx.device)
-        if ctx.reduce_dtype is not None:
-            flat = flat.to(ctx.reduce_dtype)
+        dtype = ctx.reduce_dtype if ctx.reduce_dtype is not None else ctx.dtype
+        flat = flatten_grads(grads, ctx.shapes, ctx.dims, ctx.n, dtype, ctx.device)
         mine = ctx.comm.reduce_scatter_flat(flat, ctx.axes, BWD)
-        out = split_scattered(mine, ctx.moved_shapes, ctx.dims)
-        return (None, None, None, None, None, *(o.to(dtype) for o, dtype in zip(out, ctx.shard_dtypes)))
+        out = split_scattered(mine, ctx.shapes)
+        return (None, None, None, None, None, *(o.to(stored) for o, stored in zip(out, ctx.shard_dtypes)))
 
 
-def unflatten_gathered(blocks: torch.Tensor, moved: Sequence[torch.Tensor], dims: Sequence[int]
+def unflatten_gathered(blocks: torch.Tensor, shapes: Sequence[Sequence[int]], dims: Sequence[int]
                        ) -> tuple[torch.Tensor, ...]:
     """The whole tensors from one flat all-gather's ``(n, -1)`` blocks: row ``k`` holds rank ``k``'s
-    shards (each with its sharded dim ``dims[i]`` moved first, as ``moved[i]``) one after another."""
+    shards (of ``shapes``, sharded along ``dims``) one after another; each whole tensor is its ``n``
+    blocks concatenated along its dim (:func:`concat_blocks`: one copy, or a view)."""
     n = blocks.shape[0]
     out, start = [], 0
-    for m, d in zip(moved, dims):
-        piece = blocks[:, start:start + m.numel()].reshape(n * m.shape[0], *m.shape[1:])
-        out.append(piece.movedim(0, d).contiguous())
-        start += m.numel()
+    for shape, d in zip(shapes, dims):
+        k = math.prod(shape)
+        out.append(concat_blocks(blocks[:, start:start + k].view(n, *shape), d))
+        start += k
     return tuple(out)
 
 
-def flatten_grads(grads: Sequence[torch.Tensor | None], moved_shapes: Sequence[Sequence[int]],
+def flatten_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[Sequence[int]],
                   dims: Sequence[int], n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The gradients of gathered tensors as ``(n, -1)`` blocks for one flat reduce-scatter (the
-    inverse layout of :func:`unflatten_gathered`); a tensor with no gradient contributes zeros."""
-    pieces = []
-    for g, shape, d in zip(grads, moved_shapes, dims):
-        if g is None:
-            pieces.append(torch.zeros((n, math.prod(shape)), dtype=dtype, device=device))
-        else:
-            pieces.append(g.movedim(d, 0).reshape(n, -1))
-    return torch.cat(pieces, dim=1)
-
-
-def split_scattered(mine: torch.Tensor, moved_shapes: Sequence[Sequence[int]], dims: Sequence[int]
-                    ) -> list[torch.Tensor]:
-    """This rank's flat reduce-scattered block back into one gradient per shard, in its layout."""
-    out, start = [], 0
-    for shape, d in zip(moved_shapes, dims):
+    """The gradients of gathered tensors as ``(n, -1)`` blocks in ``dtype`` for one flat
+    reduce-scatter (the layout :func:`unflatten_gathered` reads): one copy per gradient, in runs of a
+    block's dim and the dims inside it; a tensor with no gradient contributes zeros."""
+    flat = torch.empty((n, sum(math.prod(s) for s in shapes)), dtype=dtype, device=device)
+    start = 0
+    for g, shape, d in zip(grads, shapes, dims):
         k = math.prod(shape)
-        out.append(mine[start:start + k].view(tuple(shape)).movedim(0, d))
+        dst = flat[:, start:start + k].view(n, *shape)
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(split_blocks(g, n, d))
+        start += k
+    return flat
+
+
+def split_scattered(mine: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """This rank's flat reduce-scattered block back into one gradient per shard (views)."""
+    out, start = [], 0
+    for shape in shapes:
+        k = math.prod(shape)
+        out.append(mine[start:start + k].view(tuple(shape)))
         start += k
     return out
+
+
+def split_blocks(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``x`` cut into ``n`` equal blocks along ``dim``, stacked along a new dim 0 (a view)."""
+    shape = tuple(x.shape)
+    return x.view(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]).movedim(dim, 0)
+
+
+def concat_blocks(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """The blocks along dim 0 of ``blocks`` (``(n, *shape)``) concatenated along ``dim`` of
+    ``shape``: a view where every dim before ``dim`` has size 1 and ``blocks`` is contiguous, else
+    one copy in runs of a block's ``dim`` and the dims inside it. Contiguous either way."""
+    n, shape = blocks.shape[0], tuple(blocks.shape[1:])
+    if math.prod(shape[:dim]) == 1 and blocks.is_contiguous():
+        return blocks.view(*shape[:dim], n * shape[dim], *shape[dim + 1:])
+    return torch.cat(blocks.unbind(0), dim=dim)
 
 
 # -- the functions generated code calls ------------------------------------------------------------
@@ -442,12 +462,8 @@ def shard_input(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ..
 
 def concat_gathered(blocks: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``n`` equal blocks gathered one after another along dim 0 of ``blocks`` (an all-gather's
-    output), concatenated along ``dim`` instead: a view where every dim before ``dim`` has size 1,
-    else one copy in runs of a block's ``dim`` and the dims inside it. Contiguous either way."""
-    shape = (blocks.shape[0] // n, *blocks.shape[1:])
-    if math.prod(shape[:dim]) == 1:
-        return blocks.view(*shape[:dim], n * shape[dim], *shape[dim + 1:])
-    return torch.cat(blocks.view(n, *shape).unbind(0), dim=dim)
+    output), concatenated along ``dim`` instead (:func:`concat_blocks`)."""
+    return concat_blocks(blocks.view(n, blocks.shape[0] // n, *blocks.shape[1:]), dim)
 
 
 def gather_whole(x: torch.Tensor, comm: MeshComm, dims: tuple[tuple[int, ...], ...]) -> torch.Tensor:

@@ -166,18 +166,17 @@ class _GatherParams(torch.autograd.Function):
     def forward(ctx, layout: Layout, axes: tuple[int, ...], dims: tuple[int, ...],  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = _size(layout, axes)
-        moved = [s.movedim(d, 0) for s, d in zip(shards, dims)]
         ctx.layout, ctx.axes, ctx.dims, ctx.n = layout, axes, dims, n
-        ctx.moved_shapes = [tuple(m.shape) for m in moved]
-        ctx.dtype = moved[0].dtype
-        blocks = _all_gather_dim0(torch.cat([m.reshape(-1) for m in moved]), layout, axes).view(n, -1)
-        return unflatten_gathered(blocks, moved, dims)
+        ctx.shapes = [tuple(s.shape) for s in shards]
+        ctx.dtype = shards[0].dtype
+        blocks = _all_gather_dim0(torch.cat([s.reshape(-1) for s in shards]), layout, axes).view(n, -1)
+        return unflatten_gathered(blocks, ctx.shapes, dims)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        flat = flatten_grads(grads, ctx.moved_shapes, ctx.dims, ctx.n, ctx.dtype, _grads_device(grads))
+        flat = flatten_grads(grads, ctx.shapes, ctx.dims, ctx.n, ctx.dtype, _grads_device(grads))
         mine = _reduce_scatter_dim0(flat.reshape(-1), ctx.layout, ctx.axes)
-        return (None, None, None, *split_scattered(mine, ctx.moved_shapes, ctx.dims))
+        return (None, None, None, *split_scattered(mine, ctx.shapes))
 
 
 def _grads_device(grads: Sequence[torch.Tensor | None]) -> torch.device:

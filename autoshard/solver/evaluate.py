@@ -18,7 +18,7 @@ from ..strategy import BWD, Strategy
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .formulation import backward_time, forward_time
 from .memory_model import checkpoint_overhead, rerun_cost
-from .param_edges import chosen_param_edges
+from .param_edges import chosen_param_edges, gather_copy_seconds, gather_flatten_seconds
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
 from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
@@ -125,6 +125,12 @@ def _gather_seconds(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers
         grads = nbytes * (cg.precision.reduce_ratio if cg.precision is not None else 1.0)
         grouped += collective_cost("all_gather", nbytes, group.axes, cg.mesh.shape, cg.hardware) + \
             collective_cost("reduce_scatter", grads, group.axes, cg.mesh.shape, cg.hardware)
+        n = math.prod(cg.mesh.shape[a] for a in group.axes)
+        metas = [cg.graph.tensor_meta(p.name) for p in group.params]
+        grouped += gather_flatten_seconds(nbytes / n, metas[0].dtype, cg.hardware)
+        for p, meta in zip(group.params, metas):
+            view = len(group.params) == 1 and math.prod(meta.shape[:p.dim]) == 1   # unflattened as a view
+            grouped += gather_copy_seconds(meta.shape, p.dim, n, meta.dtype, cg.hardware, cg.precision, view)
     return per_edge, grouped
 
 

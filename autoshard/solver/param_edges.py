@@ -6,7 +6,8 @@ parameter would pay the collectives' latency of its own (on a 2D mesh, one per a
 looked two times dearer to the ILP than it runs. Here an edge whose producer is a parameter that
 carries a gradient, stored with one dim sharded over the live mesh axes ``G``, and whose consumer
 reads it replicated (a *gatherable* pair of specs) costs the bandwidth part of an all-gather and
-a reduce-scatter over ``G`` of its bytes; the latency of one all-gather and one reduce-scatter is
+a reduce-scatter over ``G`` of its bytes, and the local copies around them
+(:func:`gather_copy_seconds`, its share of :func:`gather_flatten_seconds`); the latency of one all-gather and one reduce-scatter is
 paid once per (block, ``G``) in which any such pair is chosen. Every other pair keeps its
 resharding cost. The gradient of a gathered parameter stays priced by its consumer as a bucketed
 all-reduce over the axes its computation is split over (the runtime reduce-scatters it over ``G``
@@ -34,8 +35,9 @@ to evaluate an assignment exactly as the ILP does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -46,6 +48,12 @@ from ..param_gather import gather_block, gather_blocks
 from ..specs import ShardSpec
 from ..strategy import BWD
 from .costgraph import CGEdge, CostGraph
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..hardware import HardwareProfile
+    from ..precision import MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,40 @@ def gather_latency(axes: Axes, mesh_shape: Sequence[int], hw) -> float:
     return sum(collective_cost(kind, 0, axes, mesh_shape, hw) for kind in (ALL_GATHER, REDUCE_SCATTER))
 
 
+def gather_copy_seconds(shape: Sequence[int], dim: int, n: int, dtype: "torch.dtype", hw: "HardwareProfile",
+                        precision: "MixedPrecision | None" = None, view: bool = False) -> float:
+    """The local copies the runtime makes of one parameter around its block's gather over ``n``
+    devices (:class:`autoshard.runtime.collectives._GatherParams`), ``shape`` the whole parameter
+    in the working ``dtype``, sharded along ``dim``: forward, the whole tensor out of the gathered
+    blocks (no copy where that is a ``view``) and, under mixed precision, its shard cast from the
+    master dtype; backward, the whole gradient into the reduce-scatter's blocks in the reduce dtype
+    (and this device's block back to the master dtype where that differs). The copies that lay
+    blocks out move runs of the shard's ``dim`` and the dims inside it. The block's shards are
+    copied into the all-gather's buffer in one more copy (:func:`gather_flatten_seconds`)."""
+    numel = math.prod(shape)
+    local = list(shape)
+    local[dim] //= n
+    run = math.prod(local[dim:])
+    seconds = 0.0 if view else hw.copy_seconds(numel * dtype.itemsize, str(dtype), run)
+    grad_dtype = dtype if precision is None else precision.reduce
+    seconds += hw.copy_seconds(numel * grad_dtype.itemsize, str(grad_dtype), run)
+    if precision is not None:
+        master = precision.master
+        seconds += hw.copy_seconds(numel / n * master.itemsize, str(master))
+        if grad_dtype != master:
+            seconds += hw.copy_seconds(numel / n * master.itemsize, str(master))
+    return seconds
+
+
+def gather_flatten_seconds(nbytes: float, dtype: "torch.dtype", hw: "HardwareProfile", marginal: bool = False) -> float:
+    """The one copy of a block's shards (``nbytes`` per device) into its all-gather's flat buffer;
+    ``marginal``: what ``nbytes`` more adds to a larger copy (a parameter's share of its block's,
+    as the ILP prices it per parameter)."""
+    if marginal:
+        return hw.copy_seconds(2 * nbytes, str(dtype)) - hw.copy_seconds(nbytes, str(dtype))
+    return hw.copy_seconds(nbytes, str(dtype))
+
+
 def param_edge_prices(cg: CostGraph) -> dict[int, ParamEdgePrice]:
     """``id(edge)`` of every edge group's representative edge out of a parameter placeholder ->
     its price (edges of one group share it; see :meth:`CostGraph.edge_groups`)."""
@@ -114,6 +156,12 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
     for a, src in enumerate(e.src_specs):
         src_bytes = src.local_numel(shape, mesh_shape) * item
         axes = _gather_axes(src, mesh_shape) if carries_grad else None
+        copies = 0.0
+        if axes is not None:
+            n = math.prod(mesh_shape[x] for x in axes)
+            copies = (gather_copy_seconds(shape, _gathered_dim(src, mesh_shape), n, e.tensor.dtype, hw,
+                                          cg.precision if cast else None)
+                      + gather_flatten_seconds(full / n, e.tensor.dtype, hw, marginal=True))
         for b, dst in enumerate(e.dst_specs):
             dst_bytes = dst.local_numel(shape, mesh_shape) * item
             if saved and (cast or dst_bytes > src_bytes):
@@ -122,7 +170,7 @@ def _price(cg: CostGraph, e: CGEdge, blocks: tuple[str, ...]) -> ParamEdgePrice:
                 gather_axes[a, b] = axes
                 seconds[a, b] = sum(collective_cost(kind, nbytes, axes, mesh_shape, hw)
                                     - collective_cost(kind, 0, axes, mesh_shape, hw)
-                                    for kind, nbytes in ((ALL_GATHER, full), (REDUCE_SCATTER, grad_full)))
+                                    for kind, nbytes in ((ALL_GATHER, full), (REDUCE_SCATTER, grad_full))) + copies
             else:
                 resharded[a, b] = carries_grad and src != dst
     consumer = cg.nodes[e.dst]
@@ -151,6 +199,11 @@ def _gather_axes(spec: ShardSpec, mesh_shape: Sequence[int]) -> Axes | None:
     if len(sharded) != 1:
         return None
     return live(sharded[0], mesh_shape)
+
+
+def _gathered_dim(spec: ShardSpec, mesh_shape: Sequence[int]) -> int:
+    """The dim of a gatherable spec (:func:`_gather_axes`) sharded over live axes."""
+    return next(d for d, axes in enumerate(spec.dims) if live(axes, mesh_shape))
 
 
 def chosen_param_edges(cg: CostGraph, choice: dict[str, int],
