@@ -44,6 +44,12 @@ def _report_path(rank: int) -> Path:
     return log_dir() / f"rank{rank}.report.json"
 
 
+def _printed_path() -> Path:
+    """Written by rank 0 once it has printed every rank's report: the others exit only after it (a
+    rank that exits with a failure makes torchrun kill the rest, rank 0 mid-report included)."""
+    return log_dir() / "rank0.printed"
+
+
 @pytest.hookimpl(trylast=True)   # after the terminal reporter is made (see _quiet_other_ranks)
 def pytest_configure(config):
     if "RANK" not in os.environ:
@@ -51,6 +57,8 @@ def pytest_configure(config):
                                 "(see scripts/test.sh)")
     rank = int(os.environ["RANK"])
     _report_path(rank).unlink(missing_ok=True)   # a stale report of an earlier run in the same folder
+    if rank == 0:
+        _printed_path().unlink(missing_ok=True)
     if not dist.is_initialized():    # a rendezvous: every rank has removed its stale report after it
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if dist.get_world_size() != 4:
@@ -141,6 +149,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_unconfigure(config):
+    if int(os.environ["RANK"]) == 0:
+        _printed_path().write_text("done")
+    else:
+        deadline = time.monotonic() + REPORT_WAIT_S + 60
+        while not _printed_path().exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
