@@ -1,4 +1,5 @@
 """The joint ILP: exact objective, optimality against brute force, aliasing, memory decisions."""
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -409,7 +410,8 @@ def test_recompute_pays_the_checkpoint_machinery_where_the_profile_measured_it()
     from autoshard.solver.baselines import solve_baseline
     hw = _with_checkpoint_overhead("cpu-gloo")
     cg = _cost_graph("gpt2-tiny", (2, 2), hardware=hw, num_layers=2, batch=8, seq=32, n_embd=64)
-    plain = _cost_graph("gpt2-tiny", (2, 2), hardware="cpu-gloo", num_layers=2, batch=8, seq=32, n_embd=64)
+    unmeasured = dataclasses.replace(hw, checkpoint=None)
+    plain = _cost_graph("gpt2-tiny", (2, 2), hardware=unmeasured, num_layers=2, batch=8, seq=32, n_embd=64)
     segments = memory_segments(cg)
     assert all(seg.hooked > 10 and seg.run_hooked for seg in segments)   # a block saves dozens of tensors
     for graph, overhead in ((cg, lambda s, d: hw.checkpoint_seconds(s.hooked) if d == "recompute" else
