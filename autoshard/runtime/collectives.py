@@ -182,18 +182,18 @@ class MeshComm(MeshCoordinates):
     def all_to_all(self, t: torch.Tensor, axis: int, dim_from: int, dim_to: int, phase: str) -> torch.Tensor:
         """Un-shard ``dim_from`` and shard ``dim_to`` over ``axis``."""
         n = self.mesh_shape[axis]
-        src = torch.stack(t.chunk(n, dim_to)).contiguous()
+        src = split_blocks(t, n, dim_to).contiguous()
         out = torch.empty_like(src)
         self.counter.add("all_to_all", (axis,), phase, _nbytes(t))
         self.wait(dist.all_to_all_single(out, src, group=self.group((axis,)), async_op=True))
-        return torch.cat(out.unbind(0), dim=dim_from)
+        return concat_blocks(out, dim_from)
 
     def reduce_scatter(self, t: torch.Tensor, axis: int, dim: int, phase: str) -> torch.Tensor:
         n = self.mesh_shape[axis]
-        chunks = t.chunk(n, dim)
         # the n blocks laid out one after another along dim 0, as the collective splits its input
-        src = torch.stack(chunks).flatten(0, 1) if t.ndim else torch.stack(chunks)
-        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+        blocks = split_blocks(t, n, dim).contiguous()
+        src = blocks.flatten(0, 1)
+        out = torch.empty_like(blocks[0])
         self.counter.add("reduce_scatter", (axis,), phase, _nbytes(t))
         self.wait(dist.reduce_scatter_single(out, src, group=self.group((axis,)), async_op=True))
         return out

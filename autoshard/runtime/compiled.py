@@ -42,7 +42,8 @@ import torch.fx as fx
 
 from ..plans import Plan, PlanError
 from ..memory.module_state import update_state_once
-from .collectives import MeshComm, Move, concat_gathered, flatten_grads, split_scattered, unflatten_gathered
+from .collectives import (MeshComm, Move, concat_blocks, concat_gathered, flatten_grads, split_blocks,
+                          split_scattered, unflatten_gathered)
 
 __all__ = ["CompileError", "CompiledProgram", "FunctionalComm", "compile_program", "compile_options"]
 
@@ -101,14 +102,13 @@ def run_moves(t: torch.Tensor, moves: Sequence[Move], layout: Layout) -> torch.T
         elif kind == "split":
             t = t.chunk(n, dims[0])[coord[axis]].contiguous()
         elif kind == "all_to_all":
-            src = torch.stack(t.chunk(n, dims[1])).contiguous()
+            src = split_blocks(t, n, dims[1]).contiguous()
             out = _ops.wait_tensor(_ops.all_to_all_single(src, [1] * n, [1] * n, _group(layout, (axis,))))
-            t = torch.cat(out.unbind(0), dim=dims[0])
+            t = concat_blocks(out, dims[0])
         elif kind == "all_reduce":
             t = _all_reduce(t, layout, (axis,))
         elif kind == "reduce_scatter":
-            chunks = t.chunk(n, dims[0])
-            t = _reduce_scatter_dim0(torch.stack(chunks).flatten(0, 1), layout, (axis,))
+            t = _reduce_scatter_dim0(split_blocks(t, n, dims[0]).contiguous().flatten(0, 1), layout, (axis,))
         elif kind == "to_partial":
             t = t.clone() if coord[axis] == 0 else torch.zeros_like(t)
         else:

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))   # op_cases, runtime_harness
 sys.path.insert(1, os.path.dirname(os.path.dirname(__file__)))   # handler_utils
 
 REPORT_WAIT_S = float(os.environ.get("AUTOSHARD_DIST_REPORT_WAIT_S", "300"))
+COLLECTIVE_TIMEOUT_S = 300
 _TRACEBACK_LINES = 60       # per failing test, in rank 0's report of another rank's failures
 _LOG_TAIL_LINES = 80        # of a rank that sent no report
 
@@ -60,7 +61,10 @@ def pytest_configure(config):
     if rank == 0:
         _printed_path().unlink(missing_ok=True)
     if not dist.is_initialized():    # a rendezvous: every rank has removed its stale report after it
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        # a collective waits this long for the slowest rank: with cold inductor caches a compiled
+        # test's first graph builds C++ kernels for minutes on 2 cores while the other ranks wait
+        # (one such wait passed 120 s)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     if dist.get_world_size() != 4:
         raise pytest.UsageError(f"the distributed suite needs 4 ranks, got {dist.get_world_size()}")
     _quiet_other_ranks(config)
