@@ -14,7 +14,10 @@ output specs splits a dim), whether 3 training steps give the same losses and fi
 one process, or the error that stopped it. Each plan is trained twice:
 
 - SGD with momentum, whose step is linear in the gradient: losses, parameters and buffers within
-  rtol 1e-5, atol 1e-6 (fp32);
+  rtol 1e-5, atol 1e-6 (fp32), the rtol of a parameter relative to the larger of its final value and
+  how far training moved it (an element that moved by several units and ended near zero carries the
+  rounding of its updates: CLIP's text position embedding, one element 1.4e-6 off after 3 steps, where
+  one process in float32 is itself 7.9e-7 off float64);
 - AdamW (lr 1e-3): losses as above; parameters within rtol 1e-5 and 1% of the most AdamW can move an
   element in 3 steps. AdamW divides by the gradient's own size, so an element whose gradient nearly
   cancels moves by a fraction of lr set by rounding, and a gradient that is zero up to rounding
@@ -160,14 +163,14 @@ FAMILIES: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, dict]]]] = {
 
 
 def forced_profile():
-    """h100-nvlink with communication nearly free and compute at 1 GFLOP/s: the solver shards
-    every node it can."""
+    """h100-nvlink with communication nearly free and compute at 1 GFLOP/s (its measured compute
+    curves dropped, so that the roofline prices every op): the solver shards every node it can."""
     from autoshard.hardware import LinkModel, load_hardware
 
     hw = load_hardware("h100-nvlink")
     free = LinkModel(alpha=1e-12, beta=1e-18)
     return dataclasses.replace(hw, name="forced-sharding", axes=(free, free), world=free, kinds={},
-                               peak_flops={k: 1e9 for k in hw.peak_flops}, memory_bandwidth=1e9)
+                               peak_flops={k: 1e9 for k in hw.peak_flops}, memory_bandwidth=1e9, compute={})
 
 
 # -- worker (every rank) --------------------------------------------------------------------------
@@ -240,6 +243,7 @@ def _check_training(model, plan, graph, kwargs: dict, mesh, optimizer: str) -> d
     import autoshard
 
     reference = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     pm = autoshard.parallelize(copy.deepcopy(model), plan, mesh, graph=graph)
     losses = _train(pm, kwargs, 100, optimizer)
     skipped = rounding_only(reference, kwargs) if optimizer == "adamw" else set()
@@ -252,10 +256,28 @@ def _check_training(model, plan, graph, kwargs: dict, mesh, optimizer: str) -> d
     params = dict(reference.named_parameters())
     for key, value in ref_state.items():         # parameters, and buffers (running statistics) at ATOL
         if key not in skipped:
-            torch.testing.assert_close(state[key], value, rtol=RTOL,
-                                       atol=param_atol(optimizer) if key in params else ATOL,
-                                       msg=lambda m: f"{optimizer} {key}: {m}")
+            assert_state_close(f"{optimizer} {key}", state[key], value, initial[key],
+                               param_atol(optimizer) if key in params else ATOL)
     return {"loss_rel_diff": worst, "rounding_only": sorted(skipped)}
+
+
+def assert_state_close(what: str, got: torch.Tensor, want: torch.Tensor, initial: torch.Tensor, atol: float) -> None:
+    """``got`` within ``atol + RTOL * max(|want|, |want - initial|)`` of ``want``, element by element.
+
+    Rounding in a training step is relative to what the step computes: an element that moved far
+    and ended near zero (an SGD step of a large gradient) carries the rounding of its updates, which
+    a tolerance relative to its final value alone does not allow for."""
+    got, want, initial = got.detach().double(), want.detach().double(), initial.double()
+    allowed = atol + RTOL * torch.maximum(want.abs(), (want - initial).abs())
+    diff = (got - want).abs()
+    bad = diff > allowed
+    if bool(bad.any()):
+        worst = int(torch.argmax(diff - allowed))
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)) if want.ndim else ()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {want.numel()} elements differ; worst at {index}: "
+                             f"{float(got.flatten()[worst]):.9g} vs {float(want.flatten()[worst]):.9g} "
+                             f"(moved {float((want - initial).flatten()[worst]):.3g} in training), "
+                             f"allowed {float(allowed.flatten()[worst]):.3g}")
 
 
 def _run_family(name: str, profile: Any, mesh) -> dict:
@@ -350,10 +372,11 @@ def main() -> None:
     note = (f"{matched} of {len(results)} families train exactly like one process under both profiles. 2x2 mesh, "
             f"4 gloo ranks, batch {BATCH}, seq {SEQ} (images {IMAGE}x{IMAGE}), 2 layers, hidden 32, fp32; "
             f"{STEPS} steps with seeded dropout, twice: SGD (lr 0.1, momentum 0.9; losses, final parameters and "
-            f"buffers within rtol {RTOL}, atol {ATOL}) and AdamW (lr {ADAMW_LR}; parameters within atol "
+            f"buffers within rtol {RTOL}, atol {ATOL}, a parameter's rtol relative to the larger of its final value "
+            "and how far training moved it) and AdamW (lr {ADAMW_LR}; parameters within atol "
             f"{param_atol('adamw'):.0e}, 1% of the most AdamW moves an element in {STEPS} steps; parameters whose float32 "
             "gradient is rounding noise, more than 10% from the float64 one, listed and not compared). Plan: sharded op nodes / op nodes. default: cpu-gloo; forced: "
-            f"communication nearly free, compute 1 GFLOP/s. Whole run {(time.perf_counter() - t0) / 60:.1f} min "
+            f"communication nearly free, compute 1 GFLOP/s (roofline, no measured curves). Whole run {(time.perf_counter() - t0) / 60:.1f} min "
             "(python bench/model_zoo.py).")
     write("model_zoo", {"results": results, "steps": STEPS, "optimizers": OPTIMIZERS, "rtol": RTOL,
                         "atol": ATOL, "adamw_param_atol": param_atol("adamw")},
