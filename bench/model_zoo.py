@@ -373,7 +373,7 @@ def main() -> None:
             f"4 gloo ranks, batch {BATCH}, seq {SEQ} (images {IMAGE}x{IMAGE}), 2 layers, hidden 32, fp32; "
             f"{STEPS} steps with seeded dropout, twice: SGD (lr 0.1, momentum 0.9; losses, final parameters and "
             f"buffers within rtol {RTOL}, atol {ATOL}, a parameter's rtol relative to the larger of its final value "
-            "and how far training moved it) and AdamW (lr {ADAMW_LR}; parameters within atol "
+            f"and how far training moved it) and AdamW (lr {ADAMW_LR}; parameters within atol "
             f"{param_atol('adamw'):.0e}, 1% of the most AdamW moves an element in {STEPS} steps; parameters whose float32 "
             "gradient is rounding noise, more than 10% from the float64 one, listed and not compared). Plan: sharded op nodes / op nodes. default: cpu-gloo; forced: "
             f"communication nearly free, compute 1 GFLOP/s (roofline, no measured curves). Whole run {(time.perf_counter() - t0) / 60:.1f} min "
