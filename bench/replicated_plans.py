@@ -55,6 +55,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import autoshard
     from autoshard.models import build_model
+    from autoshard.plans.explain import sharding_counts
     from runtime_speed import Config, plan_info, plan_on_rank0, run_rounds
 
     torch.set_num_threads(1)
@@ -75,13 +76,14 @@ def worker(args: argparse.Namespace) -> None:
             model, kwargs = build()
             plan, seconds = plan_on_rank0(model, kwargs, MESH, baseline, rank, "local", args.hardware,
                                           loss="per_rank")
+            info = {**plan_info(plan, seconds), "sharding": sharding_counts(plan)._asdict()}
             same = next((k for k, p in plans.items() if p.nodes == plan.nodes and p.segments == plan.segments), None)
             plans[name] = plan
             if same is not None:
-                results.append({"model": spec, "config": name, "same_as": same, "plan": plan_info(plan, seconds)})
+                results.append({"model": spec, "config": name, "same_as": same, "plan": info})
                 continue
             pm = autoshard.parallelize(model, plan, mesh)
-            configs.append(Config(name, spec, pm, kwargs, pm.parameters(), {"plan": plan_info(plan, seconds)},
+            configs.append(Config(name, spec, pm, kwargs, pm.parameters(), {"plan": info},
                                   loss_group=dist.group.WORLD))
         model, kwargs = build()
         local = {k: v.chunk(WORLD, 0)[rank].contiguous() for k, v in kwargs.items()}
@@ -102,10 +104,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _sharding(plan: dict) -> str:
-    """The summary's sharding line, shortened to its first clause."""
-    line = next((s for s in plan["summary"] if s.startswith("sharding:")), "sharding: ?")
-    first = line.removeprefix("sharding: ").split(" (")[0].split(", ")[0].split(" - ")[0]
-    return "none: replicated" if first == "none" else first
+    """The plan's compute ops run on shards (``autoshard.plans.explain.sharding_counts``)."""
+    c = plan["sharding"]
+    return "none: replicated" if not c["split_ops"] else f"{c['split_ops']} of {c['ops']} compute ops sharded"
 
 
 def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None:
@@ -135,8 +136,8 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
             "step = forward + backward + AdamW step, fp32, dropout 0, timed back to back; median ms of "
             f"{args.rounds} interleaved rounds x {args.steps} steps (each turn after 1 untimed step) after "
             f"{args.warmup} warm-up steps. Plans: outputs='local', loss='per_rank' (the function DDP computes). "
-            "Solved plan: the summary's sharding line ('none: replicated': every rank runs every op on the whole "
-            "batch). Step-0 loss diff: max - min of the configurations' global-batch losses at step 0. "
+            "Solved plan: its compute ops that run on a shard of their work ('none: replicated': every rank runs "
+            "every op on the whole batch). Step-0 loss diff: max - min of the configurations' global-batch losses at step 0. "
             f"Whole run {wall_s / 60:.1f} min (python bench/replicated_plans.py).")
     write("replicated_plans", {"results": results, "summary": summary, "hardware": args.hardware,
                                "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "wall_s": wall_s},
