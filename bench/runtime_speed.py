@@ -22,7 +22,7 @@ machine from other processes hits all configurations alike):
    then the root, over all 4 ranks), both keeping each rank's shard of the logits.
 3. Runtime overhead: a 1x1 mesh (one rank) running the solved plan vs the plain module.
 
-Run: python bench/runtime_speed.py [--rounds 4] [--steps 4] [--warmup 3] [--no-profile]
+Run: python bench/runtime_speed.py [--rounds 8] [--steps 4] [--warmup 3] [--no-profile]
 (launches torchrun twice: 4 ranks for 1-2, 1 rank for 3; OMP_NUM_THREADS=1, malloc keeping freed
 memory: see bench/_common.py KEEP_FREED_MEMORY).
 """
@@ -485,7 +485,7 @@ def driver(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-profile", dest="profile", action="store_false",
