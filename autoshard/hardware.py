@@ -16,7 +16,9 @@ forward and backward seconds of one op against its forward *work*: FLOPs as
 nodes with) for ``matmul`` (and ``matmul_unaligned``: a matmul whose tensors' rows are no whole
 multiple of 16 bytes, which GPUs run on slower kernels), ``conv`` (and ``conv_unaligned``: a
 convolution whose local input or output channels are no whole multiple of 16, which oneDNN runs
-outside its blocked layouts, slower per FLOP on a CPU) and ``attention``, bytes of the op's tensor inputs plus outputs for
+outside its blocked layouts, slower per FLOP on a CPU), ``attention`` and ``attention_narrow`` (the same
+attention at head dim :data:`NARROW_HEAD_DIM`: the softmax over the score matrix does not shrink with
+the head dim, so a narrow head costs more per FLOP; see :data:`NARROW_HEAD_DIM`), bytes of the op's tensor inputs plus outputs for
 ``matmul_rows1``, ``matmul_rows2``, ``matmul_rows4`` and ``matmul_rows8`` (a linear, addmm or mm on 1, 2-3,
 4-7 or 8-15 local rows, see :data:`FEW_ROWS`), ``pointwise`` (arithmetic: add, mul), ``transcendental`` (tanh, exp, GELU, SiLU and the like, several
 times an add's time per byte on a CPU; the median of four of them), one curve per function of
@@ -166,9 +168,21 @@ CONTIGUOUS_RUN = 1024
 """Runs of at least this many elements copy at the contiguous rate (:meth:`HardwareProfile.copy_seconds`)."""
 
 
+NARROW_HEAD_DIM = 16
+"""Head dim of the ``attention_narrow`` curve. Attention's time has a part per FLOP (the two matmuls,
+proportional to the head dim) and a part per score element (scale, mask, softmax: batch x heads x
+query x key positions, whatever the head dim), so at equal FLOPs a narrow head has more score elements:
+on one CPU core a causal attention of 2 x 4 heads x 128 positions took 0.64 ms forward + backward at
+head dim 16, 0.98 at 32, 1.69 at 64 (from 16 up about 0.29 ms + 0.022 ms per unit of head dim) and
+0.79 at 12, 0.98 at 8 (narrower than the kernel's vectors: the floor under-prices those). The ``attention``
+curve is timed at head dims 32 to 64 (128 on CUDA), and an op of head dim ``e`` is priced never below
+``attention_narrow`` at its FLOPs x ``NARROW_HEAD_DIM / e``: the same batch, heads and positions at
+this head dim (:func:`autoshard.strategy.compute_seconds`)."""
+
+
 COMPUTE_FAMILIES: Mapping[str, str] = {
     "matmul": "FLOPs", "matmul_unaligned": "FLOPs", **{f"matmul_rows{r}": "bytes" for r in FEW_ROWS},
-    "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs",
+    "conv": "FLOPs", "conv_unaligned": "FLOPs", "attention": "FLOPs", "attention_narrow": "FLOPs",
     "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "sync_batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes",

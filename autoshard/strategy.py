@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .hardware import ELEMENTWISE_FUNCTIONS, FEW_ROWS
+from .hardware import ELEMENTWISE_FUNCTIONS, FEW_ROWS, NARROW_HEAD_DIM
 from .phases import Phase
 from .specs import ShardSpec
 
@@ -369,7 +369,7 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
 
     Where the profile has measured the curve of the op's ``family`` for its dtype, that curve at the
     local forward work (FLOPs ``profile.fwd_flops / split`` for matmul/conv and attention, never below
-    :func:`_memory_floor`; else ``io_bytes``); an op with no float operand that needs a gradient, or
+    :func:`_memory_floor`, attention never below :func:`_narrow_head_floor` either; else ``io_bytes``); an op with no float operand that needs a gradient, or
     no float output, has no backward. Otherwise (an unmeasured profile or dtype, or no family given) the roofline:
     ``max(flops / peak FLOP/s, bytes / memory bandwidth)``, backward bytes counted once per operand
     that needs a gradient.
@@ -392,10 +392,27 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
                 m is not None and m.dtype.is_floating_point for m in op.outputs)
             if phase == BWD and not has_backward:
                 return 0.0
-            return max(measured, _memory_floor(op, hw, phase, io_bytes)) if by_flops else measured
+            if not by_flops:
+                return measured
+            floor = _memory_floor(op, hw, phase, io_bytes)
+            if family == "attention":
+                floor = max(floor, _narrow_head_floor(op, hw, phase, profile.fwd_flops / split))
+            return max(measured, floor)
     flops = profile.fwd_flops if phase == FWD else profile.bwd_flops
     nbytes = io_bytes if phase == FWD else io_bytes * op.n_grad_operands
     return max(flops / split / hw.flops_for(op.compute_dtype), nbytes / hw.memory_bandwidth)
+
+
+def _narrow_head_floor(op: "OpInfo", hw: "HardwareProfile", phase: Phase, flops: float) -> float:
+    """The least an attention op (query operand 0, head dim last) of forward ``flops`` takes: the
+    ``attention_narrow`` curve at the same batch, heads and positions, whose FLOPs are ``flops`` x
+    ``NARROW_HEAD_DIM / head dim`` (the score matrix's work does not shrink with the head dim, see
+    :data:`~autoshard.hardware.NARROW_HEAD_DIM`); 0 where the profile has no such curve."""
+    head_dim = op.shape(0)[-1]
+    if head_dim <= 0:
+        return 0.0
+    narrow = hw.op_seconds("attention_narrow", flops * NARROW_HEAD_DIM / head_dim, phase, op.compute_dtype)
+    return 0.0 if narrow is None else narrow
 
 
 def _memory_floor(op: "OpInfo", hw: "HardwareProfile", phase: Phase, io_bytes: int) -> float:

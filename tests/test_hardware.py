@@ -213,7 +213,7 @@ def _curve(**changes):
      r"compute\.float32\.norm\.work must be strictly increasing \(bytes\)"),
     ({"compute": {"float32": {"softmax": {"work": [1], "fwd": [1], "bwd": [1]}}}},
      r"compute\.float32\.softmax: unknown op family; known: matmul, matmul_unaligned, matmul_rows1, matmul_rows2, matmul_rows4, "
-         r"matmul_rows8, conv, conv_unaligned, attention, pointwise, "
+         r"matmul_rows8, conv, conv_unaligned, attention, attention_narrow, pointwise, "
      r"transcendental, exp, log, tanh, "
      r"sigmoid, silu, gelu, gelu_tanh, norm, batch_norm, sync_batch_norm, max_pool, avg_pool, loss"),
     ({"compute": {"flaot32": {}}}, r"compute\.flaot32 is not a torch dtype name"),
@@ -291,7 +291,7 @@ def test_overlap_fraction():
 # -- the cost model prices compute from the curves --------------------------------------------------
 FEW_ROWS_FAMILIES = {f"matmul_rows{r}" for r in FEW_ROWS}
 # added after the shipped H100 profiles were measured (the shipped cpu-gloo profile has them)
-LATER_FAMILIES = {"conv_unaligned", *FEW_ROWS_FAMILIES, "copy_blocks"}
+LATER_FAMILIES = {"conv_unaligned", *FEW_ROWS_FAMILIES, "copy_blocks", "attention_narrow"}
 RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
 RATE["pointwise"] = 1e-15     # a memory pass far cheaper than any FLOPs curve: no matmul here is bound by it
 BWD_RATE = {f: 3 * r for f, r in RATE.items()}
@@ -336,6 +336,31 @@ def test_profiled_work_is_the_work_the_cost_model_prices(family):
         (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
         assert strategy.compute_fwd == pytest.approx(RATE[family] * op_work(family, op), rel=1e-9)
         assert strategy.compute_bwd == pytest.approx(BWD_RATE[family] * op_work(family, op), rel=1e-9)
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 16, 32, 64])
+def test_attention_is_priced_never_below_its_scores_at_the_narrow_head_dim(head_dim):
+    """An attention op of head dim ``e`` costs at least the ``attention_narrow`` curve at its FLOPs x
+    NARROW_HEAD_DIM / e (the same batch, heads and positions at that head dim: the score matrix's work
+    does not shrink with the head dim); a profile without that curve prices it by ``attention`` alone."""
+    from autoshard.hardware import NARROW_HEAD_DIM
+    from autoshard.profile.compute import _attention
+
+    op = _attention((2, 4, 64, head_dim), torch.float32, torch.device("cpu"))
+    graph, node = _compute_node(op.fn, (op.x, *op.params(0)))
+    flops = op_work("attention", op)
+    rates = {"attention": 1e-12, "attention_narrow": 4e-12}     # narrow 4x per FLOP: binds below head dim 64
+    curves = {f: {"work": [1.0, 1e15], "fwd": [r, r * 1e15], "bwd": [3 * r, 3e15 * r]} for f, r in rates.items()}
+    hw = measured(compute={"float32": curves})
+    (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+    expected = max(rates["attention"] * flops, rates["attention_narrow"] * flops * NARROW_HEAD_DIM / head_dim)
+    assert strategy.compute_fwd == pytest.approx(expected, rel=1e-9)
+    assert strategy.compute_bwd == pytest.approx(3 * expected, rel=1e-9)
+    assert (expected > rates["attention"] * flops) == (head_dim < 4 * NARROW_HEAD_DIM)
+
+    without = measured(compute={"float32": {"attention": curves["attention"]}})
+    (plain,) = node_strategies(graph, node, MeshSpec((1, 1)), without).strategies
+    assert plain.compute_fwd == pytest.approx(rates["attention"] * flops, rel=1e-9)
 
 
 def test_copies_go_by_their_runs_between_the_copy_blocks_and_contiguous_curves():

@@ -27,7 +27,9 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   ``conv`` (3x3 ``F.conv2d`` with bias, C -> C channels, 16 to 64 channels on 8x8 to 64x64 images),
   ``conv_unaligned`` (the same with channel counts of no whole multiple of 16, 4 to 40: oneDNN runs
   them outside its blocked layouts),
-  ``attention`` (causal ``F.scaled_dot_product_attention``), ``pointwise`` (the median of add and mul
+  ``attention`` (causal ``F.scaled_dot_product_attention``, head dims 32 to 64, on CUDA also 128),
+  ``attention_narrow`` (the same batches, heads and sequences at head dim 16: per FLOP a narrow head
+  costs more, the score matrix's softmax not shrinking with it; :data:`autoshard.hardware.NARROW_HEAD_DIM`), ``pointwise`` (the median of add and mul
   at equal bytes), ``transcendental`` (the median of tanh-GELU, SiLU, tanh and sigmoid), one curve for each
   of ``exp``, ``log``, ``tanh``, ``sigmoid``, ``silu``, ``gelu`` and ``gelu_tanh`` (their costs per byte are
   10x apart on a CPU; exp and log side by side, their chains would overflow), ``norm`` (``F.layer_norm``),

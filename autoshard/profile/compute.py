@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..hardware import (COMPUTE_FAMILIES, COPY_RUN, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareProfile,
-                        OptimizerModel)
+from ..hardware import (COMPUTE_FAMILIES, COPY_RUN, ELEMENTWISE_FUNCTIONS, FEW_ROWS, NARROW_HEAD_DIM, ComputeCurve,
+                        HardwareProfile, OptimizerModel)
 from ..progress import Progress
 from .timing import ProfileError, _barrier, _device, _dtypes, _max_over_ranks, _median_time, _sync
 
-__all__ = ["COMPUTE_OPS", "DRIFT_FAMILIES", "DRIFT_PROXY", "DriftPoint", "drift_scaled", "op_work", "remeasure_drift"]
+__all__ = ["COMPUTE_OPS", "DRIFT_FAMILIES", "DRIFT_PROXY", "DriftPoint", "add_measured_curve", "drift_scaled", "op_work",
+           "remeasure_drift"]
 
 _COPY_BYTES = 64 * 2**20
 
@@ -78,13 +79,16 @@ CONV_SHAPES = ((1, 16, 8, 8), (2, 16, 16, 16), (2, 16, 64, 64), (4, 32, 64, 64),
 CONV_UNALIGNED_SHAPES = ((1, 4, 16, 16), (2, 8, 32, 32), (2, 12, 64, 64), (4, 24, 64, 64), (8, 40, 64, 64))
 ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256, 64), (2, 12, 512, 64),
                     (2, 12, 1024, 64))                                              # batch, heads, seq, head dim
+# the same batches, heads and sequences at head dim NARROW_HEAD_DIM (see autoshard.hardware.NARROW_HEAD_DIM)
+ATTENTION_NARROW_SHAPES = tuple((b, h, n, NARROW_HEAD_DIM) for b, h, n, _ in ATTENTION_SHAPES)
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "matmul_unaligned": ((4096, 4096, 4097), (8192, 768, 50257)), "conv": ((32, 256, 56, 56),),
               "conv_unaligned": ((32, 200, 56, 56),),
-              "attention": ((8, 16, 2048, 128),), "pointwise": (33554432,), "transcendental": (33554432,),
+              "attention": ((8, 16, 2048, 128),), "attention_narrow": ((8, 16, 2048, NARROW_HEAD_DIM),),
+              "pointwise": (33554432,), "transcendental": (33554432,),
               "norm": ((65536, 4096),), "loss": ((8192, 131072),),
               "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),),
               "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
@@ -231,6 +235,7 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "conv": (CONV_SHAPES, (_conv2d,)),
     "conv_unaligned": (CONV_UNALIGNED_SHAPES, (_conv2d,)),
     "attention": (ATTENTION_SHAPES, (_attention,)),
+    "attention_narrow": (ATTENTION_NARROW_SHAPES, (_attention,)),
     "pointwise": (POINTWISE_UNITS, (_binary(torch.add), _binary(torch.mul))),
     "transcendental": (POINTWISE_UNITS, (_unary(lambda x: F.gelu(x, approximate="tanh")), _unary(F.silu),
                                          _unary(torch.tanh), _unary(torch.sigmoid))),
@@ -527,8 +532,35 @@ def remeasure_drift(hw: HardwareProfile, iters: int = 5, families: Sequence[str]
     return points
 
 
+def add_measured_curve(hw: HardwareProfile, family: str, iters: int = 10, points: int | None = None,
+                       dtype: str = "float32") -> HardwareProfile:
+    """``hw`` with the ``family`` curve measured now, on every rank at once as ``autoshard profile``
+    measures it (collective: call on all ranks), and brought to the moment ``hw`` was measured: its
+    times divided by the drift of its :data:`DRIFT_PROXY` family (that family's middle point timed again
+    against ``hw``'s curve, :func:`remeasure_drift`), so that it stands to ``hw``'s other curves as it
+    did to the curves measured beside it. For a family added to autoshard after a shipped profile was
+    measured (``scripts/add_compute_curve.py``); ``points``: only the smallest sizes (tests)."""
+    proxy = DRIFT_PROXY.get(family, family)
+    if hw.op_seconds(proxy, 1.0, "fwd", dtype) is None:
+        raise ProfileError(f"profile {hw.name!r} has no {dtype} {proxy!r} curve to bring the {family!r} curve "
+                           f"to its moment; measure the whole profile again (autoshard profile)")
+    device = _device()
+    sizes = _compute_sizes(family, device, points)
+    rows = _time_family(family, COMPUTE_OPS[family][1], sizes, _dtypes(device)[dtype], device, iters)
+    agreed = _max_over_ranks([v for row in rows for v in row], device)     # as the profile agrees its values
+    key = f"{dtype}.{family}"
+    curve = _compute_curve({f"{key}.{field}": agreed[j::3] for j, field in enumerate(("work", "fwd", "bwd"))}, key)
+    (drift,) = remeasure_drift(hw, iters=iters, families=(proxy,), dtype=dtype)
+    scaled = ComputeCurve(curve.work, tuple(t / drift.ratio for t in curve.fwd), tuple(t / drift.ratio for t in curve.bwd))
+    note = (f" The {dtype} {family} curve was added on {time.strftime('%Y-%m-%d')} (measured then, times divided "
+            f"by {drift.ratio:.3f}, the {proxy} curve's drift since the profile).")
+    return replace(hw, compute={**hw.compute, dtype: {**hw.compute.get(dtype, {}), family: scaled}},
+                   description=hw.description + note)
+
+
 DRIFT_PROXY: Mapping[str, str] = {
     "matmul_unaligned": "matmul", **{f"matmul_rows{r}": "matmul" for r in FEW_ROWS}, "sync_batch_norm": "batch_norm",
+    "attention_narrow": "attention",
     **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss",
                                       "copy_blocks")}}
 """The timed family whose drift a family :func:`remeasure_drift` does not time is taken to share: the

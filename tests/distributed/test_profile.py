@@ -142,6 +142,31 @@ def test_drift_times_the_profiles_own_points_again(prof):
     assert [p.family for p in remeasure_drift(no_norm, iters=3, families=families)] == ["pointwise"]
 
 
+def test_a_curve_added_later_is_measured_and_brought_to_the_profiles_moment(prof):
+    """``add_measured_curve`` (scripts/add_compute_curve.py) gives a profile that lacks a family its
+    curve, measured at the sizes ``autoshard profile`` times, agreed over ranks, near the curve the
+    profile itself measured for it, every other curve as it was; without the family's drift proxy
+    it refuses."""
+    from autoshard.profile import ProfileError
+    from autoshard.profile.compute import add_measured_curve
+
+    family = "attention_narrow"
+    data = prof.to_dict()
+    data["compute"]["float32"].pop(family)
+    without = HardwareProfile.from_dict(data)
+    added = add_measured_curve(without, family, iters=3, points=POINTS)
+    curve, own = added.compute["float32"][family], prof.compute["float32"][family]
+    assert curve.work == own.work
+    for new, old in zip(curve.fwd + curve.bwd, own.fwd + own.bwd):
+        assert 1 / 2.5 < new / old < 2.5, (curve, own)
+    assert all(g == list(curve.fwd + curve.bwd) for g in _gathered(list(curve.fwd + curve.bwd)))
+    assert {f: c for f, c in added.compute["float32"].items() if f != family} == without.compute["float32"]
+    assert f"float32 {family} curve was added on" in added.description
+    data["compute"]["float32"].pop("attention")
+    with pytest.raises(ProfileError, match="no float32 'attention' curve"):
+        add_measured_curve(HardwareProfile.from_dict(data), family, iters=1, points=1)
+
+
 def test_measure_profile_rejects_a_mesh_of_the_wrong_size():
     with pytest.raises(MeshError, match="needs 8 ranks"):
         measure_profile((2, 4), sizes=[4096, 65536], iters=1, warmup=0)
