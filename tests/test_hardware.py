@@ -631,8 +631,9 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 
 def test_cpu_gloo_carries_measured_compute():
     """The shipped CPU profile is measured by `autoshard profile` with every curve it times (the
-    shipped H100 profiles predate ``conv_unaligned``, the few-row matmul curves and ``copy_blocks``),
-    the checkpoint machinery, small all-reduces and the collectives' waits."""
+    shipped H100 profiles predate ``conv_unaligned``, the few-row matmul curves, ``copy_blocks`` and
+    ``attention_narrow``; the last was added to it by scripts/add_compute_curve.py), the checkpoint
+    machinery, small all-reduces and the collectives' waits."""
     hw = load_hardware("cpu-gloo")
     assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES)
     assert hw.checkpoint is not None and hw.small_all_reduce and hw.sync_wait
@@ -646,9 +647,9 @@ def test_cpu_gloo_carries_measured_compute():
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
     bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
-    ``conv_unaligned``, the few-row matmul curves and ``copy_blocks``, added after that measurement
-    (their unaligned convolutions go by ``conv``, their linears on few rows by ``matmul``, their copies
-    by ``pointwise``), and ``sync_batch_norm``,
+    ``conv_unaligned``, the few-row matmul curves, ``copy_blocks`` and ``attention_narrow``, added after
+    that measurement (their unaligned convolutions go by ``conv``, their linears on few rows by
+    ``matmul``, their copies by ``pointwise``, their narrow heads by ``attention``), and ``sync_batch_norm``,
     measured later the same way on one H200."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}
