@@ -32,8 +32,8 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    Every plan runs with ``autoshard.parallelize``; torch DDP and FSDP2 (``fully_shard`` per
    transformer block, then the root, over all 4 ranks) train the same model. A step is forward +
    backward + AdamW step (fp32, dropout 0), timed as a training loop runs it: back to back, from the
-   end of the step before it on rank 0 (a barrier starts each configuration's turn, none follows a
-   step; see ``runtime_speed.run_rounds``); medians of interleaved
+   end of the step before it to its own end, both on the last rank to reach them (a barrier starts
+   each configuration's turn, none follows a step; see ``runtime_speed.run_rounds``); medians of interleaved
    rounds (every configuration runs ``--settle`` untimed steps, then ``--steps`` timed ones, in turn:
    the first step after another configuration ran is slower, from caches and memory the other one
    left, which no training run that keeps one model sees). A model gets at least ``--rounds`` rounds,
@@ -59,7 +59,8 @@ Spearman >= 0.9, median error <= 20%. Writes bench/results/plan_fidelity.{json,m
 measured profile bench/results/fidelity-measured.yaml.
 
 Run: python bench/plan_fidelity.py [--rounds 4] [--max-rounds 24] [--timed-seconds 60] [--steps 3] [--settle 1]
-                                    [--warmup 2] [--models gpt2-128,cnn-16]
+                                    [--warmup 2] [--models gpt2-128,cnn-16,gpt2-160:16x64]
+     (a model: one of MODELS, or <family>-<width>, either optionally :BATCH or :BATCHxSEQ, see model_sizes)
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
      python bench/plan_fidelity.py --reanalyse [--name NAME]   # re-price a finished run under its drift
 (launches torchrun twice, 4 ranks each, OMP_NUM_THREADS=1 and glibc malloc keeping freed memory,
@@ -83,7 +84,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -111,39 +112,68 @@ DDP_SYNC_BN = "torch DDP, SyncBatchNorm"     # models with batch norm: statistic
 TARGETS = {"solved_over_fastest": 1.05, "spearman": 0.9, "median_err": 0.20}
 
 
-def _gpt2(width: int) -> tuple[str, dict]:
-    return "gpt2-tiny", dict(n_embd=width, n_head=max(4, width // 64), num_layers=4, n_positions=SEQ,
+def _gpt2(width: int, seq: int) -> tuple[str, dict]:
+    return "gpt2-tiny", dict(n_embd=width, n_head=max(4, width // 64), num_layers=4, n_positions=seq,
                              vocab_size=VOCAB)
 
 
-def _llama(width: int) -> tuple[str, dict]:
+def _llama(width: int, seq: int) -> tuple[str, dict]:
     return "llama-tiny", dict(hidden_size=width, intermediate_size=4 * width, num_layers=4, num_attention_heads=4,
-                              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ)
+                              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq)
 
 
-def _bert(width: int) -> tuple[str, dict]:
+def _bert(width: int, seq: int) -> tuple[str, dict]:
     return "bert-tiny", dict(hidden_size=width, intermediate_size=4 * width, num_layers=4, num_attention_heads=4,
-                             vocab_size=VOCAB, max_position_embeddings=SEQ)
+                             vocab_size=VOCAB, max_position_embeddings=seq)
 
 
-def _cnn(width: int) -> tuple[str, dict]:
+def _cnn(width: int, seq: int) -> tuple[str, dict]:
     return "cnn", dict(channels=width)
 
 
-def _mlp(width: int) -> tuple[str, dict]:
+def _mlp(width: int, seq: int) -> tuple[str, dict]:
     """4 linear layers, ``width`` features in, ``4 * width`` hidden, 10 classes: 36 width^2 parameters
     against a batch of 8 rows, a model whose gradients and optimizer outweigh its compute."""
     return "mlp", dict(features=width, hidden=4 * width, out_features=MLP_CLASSES, depth=4)
 
 
 MODELS: dict[str, tuple[str, dict]] = {
-    "gpt2-128": _gpt2(128), "gpt2-384": _gpt2(384),
-    "llama-128": _llama(128), "llama-256": _llama(256),
-    "bert-128": _bert(128), "bert-256": _bert(256),
-    "cnn-16": _cnn(16), "cnn-64": _cnn(64), "cnnsync-16": _cnn(16),
+    "gpt2-128": _gpt2(128, SEQ), "gpt2-384": _gpt2(384, SEQ),
+    "llama-128": _llama(128, SEQ), "llama-256": _llama(256, SEQ),
+    "bert-128": _bert(128, SEQ), "bert-256": _bert(256, SEQ),
+    "cnn-16": _cnn(16, IMAGE), "cnn-64": _cnn(64, IMAGE), "cnnsync-16": _cnn(16, IMAGE),
 }
 QUICK_MODEL = "gpt2-128"
 _FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": _cnn, "cnnsync": _cnn, "mlp": _mlp}
+_DEFAULT_SEQ = {"gpt2": SEQ, "llama": SEQ, "bert": SEQ, "cnn": IMAGE, "cnnsync": IMAGE, "mlp": None}
+
+
+class Sizes(NamedTuple):
+    """A model's input sizes: ``batch`` (the global batch), ``seq`` (an LM's sequence length, a CNN's
+    image side; None for the MLP, which has none)."""
+
+    batch: int
+    seq: int | None
+
+
+def model_sizes(key: str) -> Sizes:
+    """The input sizes of ``key``: :data:`BATCH` x :data:`SEQ` for the LMs, :data:`BATCH` images of
+    :data:`IMAGE` x :data:`IMAGE` for the CNNs, :data:`BATCH` rows for the MLP, unless the key ends in
+    ``:BATCH`` or ``:BATCHxSEQ`` (``gpt2-160:16x64``, ``cnn-32:16x48`` for 48x48 images, ``mlp-256:32``)."""
+    family, _ = _family_width(key)
+    name, _, suffix = key.partition(":")
+    seq = _DEFAULT_SEQ[family]
+    if not suffix:
+        return Sizes(BATCH, seq)
+    m = re.fullmatch(r"(\d+)(?:x(\d+))?", suffix)
+    if m is None or int(m[1]) < 1 or (m[2] is not None and int(m[2]) < 1):
+        raise ValueError(f"model {key!r}: the sizes after ':' are BATCH or BATCHxSEQ (positive integers), e.g. "
+                         f"{name}:16x64")
+    if m[2] is not None and seq is None:
+        raise ValueError(f"model {key!r}: {family} takes a batch only ({name}:{m[1]})")
+    if int(m[1]) % WORLD:
+        raise ValueError(f"model {key!r}: batch {m[1]} does not split over the {WORLD} ranks torch DDP runs on")
+    return Sizes(int(m[1]), int(m[2]) if m[2] is not None else seq)
 
 
 def batch_norm_mode(key: str) -> str:
@@ -166,14 +196,20 @@ def function_options(key: str) -> dict[str, str]:
 def model_spec(key: str) -> tuple[str, dict]:
     """The preset and overrides of ``key``: one of :data:`MODELS`, or ``<family>-<width>`` for a width
     the default set does not run (``gpt2-256``, ``llama-192``, ``cnn-32``, ``mlp-512``; width: hidden
-    size, the CNN's channels, or the MLP's input features)."""
+    size, the CNN's channels, or the MLP's input features), either optionally with other input sizes
+    (``:BATCH`` or ``:BATCHxSEQ``, see :func:`model_sizes`)."""
     if key in MODELS:
         return MODELS[key]
-    family, _, width = key.rpartition("-")
+    family, width = _family_width(key)
+    return _FAMILIES[family](width, model_sizes(key).seq)
+
+
+def _family_width(key: str) -> tuple[str, int]:
+    family, _, width = key.partition(":")[0].rpartition("-")
     if family not in _FAMILIES or not width.isdigit() or int(width) < 1:
         raise ValueError(f"unknown model {key!r}: one of {', '.join(MODELS)}, or <family>-<width> with family "
-                         f"one of {', '.join(_FAMILIES)}")
-    return _FAMILIES[family](int(width))
+                         f"one of {', '.join(_FAMILIES)}, either optionally followed by :BATCH or :BATCHxSEQ")
+    return family, int(width)
 
 
 def log(msg: str) -> None:
@@ -211,13 +247,14 @@ def build(key: str) -> tuple[nn.Module, dict]:
     from autoshard.models import build_model
 
     preset, overrides = model_spec(key)
+    sizes = model_sizes(key)
     if preset in ("cnn", "mlp"):
-        net, args, _ = build_model(preset, device="cpu", batch=BATCH, **({"seq": IMAGE} if preset == "cnn" else {}),
-                                   **overrides)
+        net, args, _ = build_model(preset, device="cpu", batch=sizes.batch,
+                                   **({"seq": sizes.seq} if preset == "cnn" else {}), **overrides)
         classes = net.head[-1].out_features if preset == "cnn" else net.net[-1].out_features
-        labels = torch.randint(0, classes, (BATCH,), generator=torch.Generator().manual_seed(1))
+        labels = torch.randint(0, classes, (sizes.batch,), generator=torch.Generator().manual_seed(1))
         return WithLoss(net), {"x": args[0], "labels": labels}
-    model, _, kwargs = build_model(preset, device="cpu", batch=BATCH, seq=SEQ, dropout=0.0, **overrides)
+    model, _, kwargs = build_model(preset, device="cpu", batch=sizes.batch, seq=sizes.seq, dropout=0.0, **overrides)
     return model, kwargs
 
 
@@ -747,7 +784,8 @@ def worker(args) -> None:
                 entry["measured"] = measured[entry.get("same_as", entry["name"])]
         for name, err in refs.items():
             refs[name] = measured.get(name) or err
-        results.append({"model": key, "preset": model_spec(key)[0], "overrides": model_spec(key)[1], "params": params,
+        results.append({"model": key, "preset": model_spec(key)[0], "overrides": model_spec(key)[1],
+                        "sizes": model_sizes(key)._asdict(), "params": params,
                         "rounds": rounds,
                         "graph_nodes": len(graph.graph.nodes),
                         "plans": plans, "references": refs, "head_to_head": confirm,
@@ -1107,8 +1145,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
                      _flag(s["pass"]["median_err"]), _drift_cell(m.get("drift")), _drift_fidelity_cell(s),
                      f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
     detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
-              "another profile are re-priced; measured: median (min-max) of the timed steps, rank 0's wall time "
-              "of back-to-back steps, each from the end of the one before it):", "",
+              "another profile are re-priced; measured: median (min-max) of the timed steps, back to back, "
+              "each from the end of the one before it to its own end on the last rank to reach them):", "",
               "| model | config | decisions | modeled ms | modeled ms, profile scaled to the drift | measured ms | "
               "error % | step-0 loss | note |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -1173,7 +1211,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
             f"shard of the logits, as DDP does) and loss={LOSS!r} (each rank's mean loss over its share, as DDP and FSDP2 compute and return it); LMs batch {BATCH} x seq {SEQ}, 4 layers, "
             f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph); MLP (mlp-<features>) "
-            f"batch {BATCH}, 4 linear layers, hidden 4 x features, {MLP_CLASSES} classes. Medians of "
+            f"batch {BATCH}, 4 linear layers, hidden 4 x features, {MLP_CLASSES} classes; a model key ending in :BATCH or :BATCHxSEQ (SEQ: an LM's sequence, a CNN's image side) "
+            f"sets its own sizes. Medians of "
             f"interleaved rounds x {args.steps} step(s) (each turn after {args.settle} untimed step(s); rounds per model: "
             f"{', '.join(f'{m}: {m_rounds}' for m, m_rounds in rounds_by_model.items())}: at least {args.rounds}, more "
             f"where that gives about {args.timed_seconds:.0f} s of timed steps, at most {args.max_rounds}), "
@@ -1190,14 +1229,16 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
             f"batch) over the autoshard plans / over all configurations. {prof_line} "
             f"Whole run {wall_s / 60:.1f} min.{settle_note}{cnn_note}{quick}")
     data.update({"settings": {"mesh": MESH, "batch": BATCH, "seq": SEQ, "image": IMAGE, "vocab": VOCAB,
-                              "models": {k: model_spec(k) for k in args.models.split(",")}, "rounds": args.rounds,
+                              "models": {k: model_spec(k) for k in args.models.split(",")},
+                              "sizes": {k: model_sizes(k)._asdict() for k in args.models.split(",")}, "rounds": args.rounds,
                               "max_rounds": args.max_rounds, "timed_seconds": args.timed_seconds,
                               "confirm_seconds": args.confirm_seconds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS, "loss": LOSS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,
                               "timing": "barrier; settle + steps back to back, forward+backward+AdamW step+zero_grad each, "
-                                        "a step's time from the end of the one before it (rank 0 wall time); barrier"},
+                                        "a step's time from the end of the one before it to its own end, both on the last rank to "
+                                        "reach them; barrier"},
                  "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
                  "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
                  "wall_s": wall_s, "loadavg_at_end": loadavg or os.getloadavg()})

@@ -134,7 +134,7 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
     Timed steps are each between two barriers (:func:`timed_step`), or, with ``back_to_back``, run as
     a training loop runs them: a barrier starts the configuration's turn, its steps follow each other
     with nothing between them, and a step's time is from the end of the one before it (or the barrier)
-    to its own end on this rank. A barrier after every step adds what the ranks drifted apart in the
+    to its own end, both on the last rank to reach them (:func:`_loop_turn`). A barrier after every step adds what the ranks drifted apart in the
     step's last stretch without a collective (its optimizer step) and the barrier itself (1-2 ms on 4
     gloo ranks sharing 2 cores: cnn-16's data-parallel step 18.9 ms between barriers, 17.4 back to back),
     which a loop does not pay: its next step's first collective absorbs the drift."""
@@ -159,20 +159,43 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
 
 
 def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int) -> None:
-    """One configuration's turn of ``settle`` + ``steps`` back-to-back steps, each timed from the end
-    of the one before it; the settle steps' times go to ``cfg.settle_times`` (their phases dropped)."""
+    """One configuration's turn of ``settle`` + ``steps`` back-to-back steps; the settle steps' times
+    go to ``cfg.settle_times`` (their phases dropped).
+
+    A step's time is the job's: from the moment the last rank ended the step before it (or left the
+    barrier) to the moment the last rank ends this one (:func:`_last_rank`). Rank 0's own clock
+    favours plans whose ranks seldom wait for each other: a plan with no collective (every rank
+    computing the whole batch) let rank 0 run its steps with a core to itself whenever two other
+    ranks were still ahead of or behind it in their turn (mlp-256's replicated plan: rank 0's steps
+    11-13 ms when alone, 22-25 ms when sharing, median 17.6 ms, against 23.9 modeled for 4 ranks
+    sharing 2 cores the whole time); a training loop's ranks never stop, and its step is the slowest
+    rank's."""
     barrier()
-    last = time.perf_counter()
-    for i in range(settle + steps):
+    start = time.perf_counter()
+    ends = []
+    for _ in range(settle + steps):
         cfg.step()
-        now = time.perf_counter()
+        ends.append(time.perf_counter())
+    barrier()
+    start, *ends = _last_rank([start, *ends])
+    for i, (before, end) in enumerate(zip([start, *ends], ends)):
         if i < settle:
-            cfg.settle_times.append(now - last)
+            cfg.settle_times.append(end - before)
             cfg.phases.pop()
         else:
-            cfg.times.append(now - last)
-        last = now
-    barrier()
+            cfg.times.append(end - before)
+
+
+def _last_rank(moments: list[float]) -> list[float]:
+    """Each of this rank's ``moments`` (``time.perf_counter()``) replaced by the latest over the ranks.
+    The ranks share one host here, whose monotonic clock (``perf_counter``) all processes read alike."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return moments
+    t = torch.tensor(moments, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def stats(xs: list[float]) -> dict:

@@ -1,4 +1,5 @@
-"""The plan fidelity bench's model names: the default set, and any width of a family (held-out runs)."""
+"""The plan fidelity bench's model names: the default set, any width of a family and other input
+sizes (held-out runs); its statistics and head-to-head ratios."""
 import sys
 from pathlib import Path
 
@@ -22,6 +23,36 @@ def test_default_models_and_any_width_of_a_family():
 def test_unknown_model_names_are_refused_with_the_choices(key):
     with pytest.raises(ValueError, match=r"unknown model .*<family>-<width> with family one of gpt2, llama, bert, cnn"):
         plan_fidelity.model_spec(key)
+
+
+def test_a_key_may_set_the_batch_and_the_sequence_or_image_side():
+    assert plan_fidelity.model_sizes("gpt2-128") == (8, 128)
+    assert plan_fidelity.model_sizes("cnn-32") == (8, 64) and plan_fidelity.model_sizes("mlp-256") == (8, None)
+    assert plan_fidelity.model_sizes("gpt2-160:16x64") == (16, 64)
+    assert plan_fidelity.model_spec("gpt2-160:16x64")[1]["n_positions"] == 64
+    assert plan_fidelity.model_spec("llama-96:4x256")[1]["max_position_embeddings"] == 256
+    assert plan_fidelity.model_sizes("bert-64:32") == (32, 128)
+    assert plan_fidelity.model_sizes("cnn-32:16x48") == (16, 48)
+    assert plan_fidelity.model_spec("cnn-32:16x48") == ("cnn", {"channels": 32})
+    assert plan_fidelity.model_sizes("mlp-256:32") == (32, None)
+
+
+@pytest.mark.parametrize("key, message", [("mlp-256:32x8", "mlp takes a batch only"),
+                                          ("gpt2-128:6x64", "batch 6 does not split over the 4 ranks"),
+                                          ("gpt2-128:8x", "BATCH or BATCHxSEQ"), ("gpt2-128:0", "BATCH or BATCHxSEQ"),
+                                          ("gpt3-128:8x64", "unknown model")])
+def test_bad_sizes_are_refused_with_the_form_they_take(key, message):
+    with pytest.raises(ValueError, match=message):
+        plan_fidelity.model_spec(key)
+
+
+def test_a_sized_model_builds_its_inputs_at_those_sizes():
+    _, kwargs = plan_fidelity.build("gpt2-32:4x16")
+    assert tuple(kwargs["input_ids"].shape) == (4, 16)
+    _, kwargs = plan_fidelity.build("cnn-4:4x32")
+    assert tuple(kwargs["x"].shape)[::2] == (4, 32) and tuple(kwargs["labels"].shape) == (4,)
+    _, kwargs = plan_fidelity.build("mlp-16:12")
+    assert tuple(kwargs["x"].shape) == (12, 16)
 
 
 def _measured(ms: float, loss: float = 1.0) -> dict:
