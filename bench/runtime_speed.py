@@ -134,8 +134,9 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
     Timed steps are each between two barriers (:func:`timed_step`), or, with ``back_to_back``, run as
     a training loop runs them: a barrier starts the configuration's turn, its steps follow each other
     with nothing between them, and a step's time is from the end of the one before it (or the barrier)
-    to its own end, both on the last rank to reach them (:func:`_loop_turn`). A barrier after every step adds what the ranks drifted apart in the
-    step's last stretch without a collective (its optimizer step) and the barrier itself (1-2 ms on 4
+    to its own end, both on the last rank to reach them (:func:`_loop_turn`). A barrier after every
+    step adds what the ranks drifted apart in the step's last stretch without a collective (its
+    optimizer step) and the barrier itself (1-2 ms on 4
     gloo ranks sharing 2 cores: cnn-16's data-parallel step 18.9 ms between barriers, 17.4 back to back),
     which a loop does not pay: its next step's first collective absorbs the drift."""
     for cfg in configs:
@@ -163,13 +164,11 @@ def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int
     go to ``cfg.settle_times`` (their phases dropped).
 
     A step's time is the job's: from the moment the last rank ended the step before it (or left the
-    barrier) to the moment the last rank ends this one (:func:`_last_rank`). Rank 0's own clock
-    favours plans whose ranks seldom wait for each other: a plan with no collective (every rank
-    computing the whole batch) let rank 0 run its steps with a core to itself whenever two other
-    ranks were still ahead of or behind it in their turn (mlp-256's replicated plan: rank 0's steps
-    11-13 ms when alone, 22-25 ms when sharing, median 17.6 ms, against 23.9 modeled for 4 ranks
-    sharing 2 cores the whole time); a training loop's ranks never stop, and its step is the slowest
-    rank's."""
+    barrier) to the moment the last rank ends this one (:func:`_last_rank`). On one rank's own clock,
+    a plan with no collective in its step (every rank computing the whole batch) is timed while the
+    other ranks may be ahead of it, or behind it waiting at the turn's barrier, leaving it a core to
+    itself; a training loop's ranks never stop, and its step ends when the slowest rank's does.
+    (mlp-256's replicated plan measured 17.6 ms both ways: its steps were not biased by this.)"""
     barrier()
     start = time.perf_counter()
     ends = []

@@ -1,7 +1,7 @@
 """The benches' back-to-back step timing (bench/runtime_speed.py ``_loop_turn``) gives every rank the
 job's step: from the moment the last rank ended the step before to the moment the last rank ends
-this one, not the rank's own clock (a plan whose ranks never wait for each other measured faster on
-rank 0 than the ranks' job ran)."""
+this one, not the rank's own clock (on which a plan whose ranks never wait for each other can be
+timed faster than the job runs)."""
 import sys
 import time
 from pathlib import Path
