@@ -144,8 +144,9 @@ MODELS: dict[str, tuple[str, dict]] = {
     "cnn-16": _cnn(16, IMAGE), "cnn-64": _cnn(64, IMAGE), "cnnsync-16": _cnn(16, IMAGE),
 }
 QUICK_MODEL = "gpt2-128"
-_FAMILIES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "cnn": _cnn, "cnnsync": _cnn, "mlp": _mlp}
-_DEFAULT_SEQ = {"gpt2": SEQ, "llama": SEQ, "bert": SEQ, "cnn": IMAGE, "cnnsync": IMAGE, "mlp": None}
+# family -> (its builder, its default second size: an LM's sequence, a CNN's image side; None: a batch only)
+_FAMILIES = {"gpt2": (_gpt2, SEQ), "llama": (_llama, SEQ), "bert": (_bert, SEQ), "cnn": (_cnn, IMAGE),
+             "cnnsync": (_cnn, IMAGE), "mlp": (_mlp, None)}
 
 
 class Sizes(NamedTuple):
@@ -162,7 +163,7 @@ def model_sizes(key: str) -> Sizes:
     ``:BATCH`` or ``:BATCHxSEQ`` (``gpt2-160:16x64``, ``cnn-32:16x48`` for 48x48 images, ``mlp-256:32``)."""
     family, _ = _family_width(key)
     name, _, suffix = key.partition(":")
-    seq = _DEFAULT_SEQ[family]
+    seq = _FAMILIES[family][1]
     if not suffix:
         return Sizes(BATCH, seq)
     m = re.fullmatch(r"(\d+)(?:x(\d+))?", suffix)
@@ -201,7 +202,7 @@ def model_spec(key: str) -> tuple[str, dict]:
     if key in MODELS:
         return MODELS[key]
     family, width = _family_width(key)
-    return _FAMILIES[family](width, model_sizes(key).seq)
+    return _FAMILIES[family][0](width, model_sizes(key).seq)
 
 
 def _family_width(key: str) -> tuple[str, int]:
