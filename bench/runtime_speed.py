@@ -163,8 +163,11 @@ def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int
     """One configuration's turn of ``settle`` + ``steps`` back-to-back steps; the settle steps' times
     go to ``cfg.settle_times`` (their phases dropped).
 
-    A step's time is the job's: from the moment the last rank ended the step before it (or left the
-    barrier) to the moment the last rank ends this one (:func:`_last_rank`). On one rank's own clock,
+    A step's time is the job's: from the moment the last rank ended the step before it (the first
+    step: the moment the barrier let the ranks go, the first rank's to leave it) to the moment the
+    last rank ends this one (:func:`_over_ranks`). The first step starts at the earliest leave, not
+    the latest: a rank the scheduler wakes late from the barrier would otherwise cut the last rank's
+    first step short (35.5 of its 40 ms in one CI run). On one rank's own clock,
     a plan with no collective in its step (every rank computing the whole batch) is timed while the
     other ranks may be ahead of it, or behind it waiting at the turn's barrier, leaving it a core to
     itself; a training loop's ranks never stop, and its step ends when the slowest rank's does.
@@ -176,7 +179,8 @@ def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int
         cfg.step()
         ends.append(time.perf_counter())
     barrier()
-    start, *ends = _last_rank([start, *ends])
+    (start,) = _over_ranks([start], "min")
+    ends = _over_ranks(ends, "max")
     for i, (before, end) in enumerate(zip([start, *ends], ends)):
         if i < settle:
             cfg.settle_times.append(end - before)
@@ -185,15 +189,17 @@ def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int
             cfg.times.append(end - before)
 
 
-def _last_rank(moments: list[float]) -> list[float]:
-    """Each of this rank's ``moments`` (``time.perf_counter()``) replaced by the latest over the ranks.
-    The ranks share one host here, whose monotonic clock (``perf_counter``) all processes read alike."""
+def _over_ranks(moments: list[float], which: str) -> list[float]:
+    """Each of this rank's ``moments`` (``time.perf_counter()``) replaced by the earliest (``"min"``)
+    or the latest (``"max"``) over the ranks. The ranks share one host here, whose monotonic clock
+    (``perf_counter``) all processes read alike."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return moments
+    op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[which]
     t = torch.tensor(moments, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
