@@ -64,7 +64,8 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     ``name`` labels the model in the plan (default: the graph's name). ``check_batch``: require
     the mesh size to divide dim 0 of every input tensor. ``baseline``: instead of the free
     optimum, the best plan of a hand-written family (``"data_parallel"``, ``"megatron"``,
-    ``"zero3"``; see :mod:`autoshard.solver.baselines`), memory decisions fixed to keep.
+    ``"zero3"``, ``"replicated"``: every rank the whole step, no collective; see
+    :mod:`autoshard.solver.baselines`), memory decisions fixed to keep.
     ``outputs``: how :func:`autoshard.parallelize` returns the model's outputs: ``"global"``
     (every tensor output whole on every rank, gathered as the plan prices it) or ``"local"``
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no

@@ -11,7 +11,8 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    model planned ``loss="per_rank"``, the mean loss torch DDP and FSDP2 compute: each rank's mean
    over its share, averaged), rank 0 makes the autoshard plans and broadcasts them:
 
-   - the three baselines (``baseline="data_parallel" | "megatron" | "zero3"``) and the solved plan;
+   - the four baselines (``baseline="data_parallel" | "megatron" | "zero3" | "replicated"``) and the
+     solved plan;
    - the plan solved under budgets of 80%, 60% and 40% of the solved plan's modeled peak (skipped,
      with the solver's message, where infeasible);
    - the plans solved under other profiles (``h100-nvlink`` and the stock ``cpu-gloo``), run as
@@ -394,7 +395,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     def plain(**kw):
         return lambda: (autoshard.plan(graph, **common, **kw), None, {})
 
-    for b in ("data_parallel", "megatron", "zero3"):
+    for b in ("data_parallel", "megatron", "zero3", "replicated"):
         plans.append(plan_entry(b, "baseline", plain(baseline=b)))
     plans.append(plan_entry("solved", "solved", plain()))
     solved = plans[-1]

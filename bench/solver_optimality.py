@@ -1,9 +1,10 @@
 """Solver optimality: autoshard's plan vs hand-written baselines, and block aliasing's cost.
 
 For each model x mesh x hardware x budget: autoshard's plan solved on the aliased cost graph
-(identical blocks share variables; then arbitrated against the data-parallel and ZeRO-3 families by
-the exact step schedule, as ``autoshard.plan`` does) and on the unaliased one (must be proven optimal), and the best
-plan of each baseline family (data parallel, Megatron TP+DP, ZeRO-3), each a restriction of the
+(identical blocks share variables; then arbitrated against the data-parallel, ZeRO-3 and replicated
+families by the exact step schedule, as ``autoshard.plan`` does) and on the unaliased one (must be proven
+optimal), and the best plan of each baseline family (data parallel, Megatron TP+DP, ZeRO-3, replicated:
+no parallelism), each a restriction of the
 same cost graph solved by the same ILP with memory decisions fixed to ``keep``.
 
 Checks (exit status 1 when violated): autoshard <= every feasible baseline; the unaliased solve
@@ -211,14 +212,16 @@ def row(rec: dict) -> list[object]:
             f"{rec['alias_gap'] * 100:.3f}", *cells, speedup, f"{a['solve_s']:.2f} / {f['solve_s']:.2f}"]
 
 
+BASELINE_COLUMNS = {"data_parallel": "DP ms", "megatron": "Megatron ms", "zero3": "ZeRO-3 ms",
+                    "replicated": "replicated ms"}
 HEADER = ["model", "mesh", "hardware", "budget/device", "autoshard ms (decisions)", "unaliased ms (status)",
-          "alias gap %", "DP ms", "Megatron ms", "ZeRO-3 ms", "speedup vs best baseline",
+          "alias gap %", *(BASELINE_COLUMNS[name] for name in BASELINES), "speedup vs best baseline",
           "solve s (aliased / unaliased)"]
 
 NOTE = """Step times are the cost model's (seconds per training step, fp32 model: compute (the profile's
 measured curves, else its roofline), inline collectives, resharding, the part of bucketed gradient
 sync backward does not hide, and the optimizer step). autoshard's plan is the one `autoshard.plan`
-returns: the ILP's, or the best data-parallel or ZeRO-3 plan where the exact step schedule models that
+returns: the ILP's, or the best data-parallel, ZeRO-3 or replicated plan where the exact step schedule models that
 one faster ({picked} of {cases} cases here; the alias gap and the objective check use the ILP's
 own solution). autoshard may recompute/offload/partition (decisions: K keep, R
 recompute, O offload, P partitioned, S selective; one per transformer block); baselines are restrictions of the

@@ -26,7 +26,7 @@ from autoshard.runtime import capture_meta
 from runtime_harness import RTOL, ATOL, device_mesh, on_all_ranks
 
 MODELS = ["mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny"]
-PLANS = ["solved", "data_parallel", "megatron", "zero3"]
+PLANS = ["solved", "data_parallel", "megatron", "zero3", "replicated"]
 BATCH = 8
 STEPS = 3
 _GRAPHS: dict[str, object] = {}
