@@ -32,6 +32,41 @@ def rank_env(root: Path) -> dict:
             "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+def init_gloo_ranks(mesh_shape: Sequence[int]):
+    """A benchmark worker's start on its torchrun rank: one intra-op thread, the gloo process group
+    (30 min timeout: a long bench waits on its slowest rank), autoshard's mesh. Returns (mesh, rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    return autoshard.init_mesh(tuple(mesh_shape)), dist.get_rank()
+
+
+def same_plan(plans: dict, plan) -> str | None:
+    """The name of a plan in ``plans`` that runs the same strategies and memory decisions as ``plan``."""
+    return next((name for name, p in plans.items() if p.nodes == plan.nodes and p.segments == plan.segments), None)
+
+
+def work_or_launch(args: argparse.Namespace, script: str, forward: Sequence[str], worker, report, ranks: int,
+                   root: Path) -> int:
+    """The end of a torchrun benchmark's ``main``: on a rank (``--worker``), ``worker(args)``; else launch
+    ``script`` on ``ranks`` local ranks with the options named in ``forward`` (argparse names, passed on
+    as ``--name-with-dashes VALUE``) and ``report(args, results, wall_s)`` with what rank 0 wrote."""
+    import time
+
+    if args.worker:
+        worker(args)
+        return 0
+    start = time.perf_counter()
+    passed = [item for name in forward for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    report(args, run_on_ranks(script, passed, ranks, root), time.perf_counter() - start)
+    return 0
+
+
 def machine() -> dict:
     import os
 

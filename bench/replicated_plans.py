@@ -21,7 +21,6 @@ Run: python bench/replicated_plans.py [--models gpt2-tiny:8x64,llama-tiny:8x64,b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import run_on_ranks, write  # noqa: E402
+from _common import init_gloo_ranks, same_plan, work_or_launch, write  # noqa: E402
 
 MESH = (2, 2)
 WORLD = MESH[0] * MESH[1]
@@ -58,10 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     from autoshard.plans.explain import sharding_counts
     from runtime_speed import Config, plan_info, plan_on_rank0, run_rounds
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    mesh = autoshard.init_mesh(MESH)
-    rank = dist.get_rank()
+    mesh, rank = init_gloo_ranks(MESH)
     results = []
     for spec in args.models.split(","):
         preset, batch, seq = parse_model(spec)
@@ -77,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
             plan, seconds = plan_on_rank0(model, kwargs, MESH, baseline, rank, "local", args.hardware,
                                           loss="per_rank")
             info = {**plan_info(plan, seconds), "sharding": sharding_counts(plan)._asdict()}
-            same = next((k for k, p in plans.items() if p.nodes == plan.nodes and p.segments == plan.segments), None)
+            same = same_plan(plans, plan)
             plans[name] = plan
             if same is not None:
                 results.append({"model": spec, "config": name, "same_as": same, "plan": info})
@@ -156,15 +152,7 @@ def main() -> int:
     args = ap.parse_args()
     for spec in args.models.split(","):
         parse_model(spec)
-    if args.worker:
-        worker(args)
-        return 0
-    start = time.perf_counter()
-    results = run_on_ranks(__file__, ["--models", args.models, "--hardware", args.hardware, "--rounds",
-                                      str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)],
-                           WORLD, ROOT)
-    report(args, results, time.perf_counter() - start)
-    return 0
+    return work_or_launch(args, __file__, ("models", "hardware", "rounds", "steps", "warmup"), worker, report, WORLD, ROOT)
 
 
 if __name__ == "__main__":
