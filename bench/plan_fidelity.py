@@ -70,7 +70,6 @@ Run: python bench/plan_fidelity.py [--rounds 4] [--max-rounds 24] [--timed-secon
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -93,7 +92,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import KEEP_FREED_MEMORY, RESULTS, rank_env, write  # noqa: E402
+from _common import KEEP_FREED_MEMORY, RESULTS, init_gloo_ranks, rank_env, write  # noqa: E402
 from runtime_speed import Config, run_rounds, stats, summary, timed_step  # noqa: E402
 
 MESH = (2, 2)
@@ -384,6 +383,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     from autoshard.plans import Plan
     from autoshard.plans.build import plan_from_solution
     from autoshard.solver import SolverOptions, solve
+    from autoshard.solver.baselines import BASELINES
     from autoshard.solver.fixed import fixed_solution
     from autoshard.solver.ilp import minimum_budget
 
@@ -395,7 +395,7 @@ def make_plans(key: str, graph, hw_path: str) -> list[dict]:
     def plain(**kw):
         return lambda: (autoshard.plan(graph, **common, **kw), None, {})
 
-    for b in ("data_parallel", "megatron", "zero3", "replicated"):
+    for b in BASELINES:
         plans.append(plan_entry(b, "baseline", plain(baseline=b)))
     plans.append(plan_entry("solved", "solved", plain()))
     solved = plans[-1]
@@ -716,12 +716,10 @@ def worker(args) -> None:
 
     import autoshard
 
-    torch.set_num_threads(1)
-    # The default group gets a long timeout: the other ranks wait in a broadcast while rank 0 plans.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    mesh = autoshard.init_mesh(MESH)
+    # init_gloo_ranks gives the default group a long timeout: the other ranks wait in a broadcast while
+    # rank 0 plans.
+    mesh, rank = init_gloo_ranks(MESH)
     mesh1d = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
-    rank = dist.get_rank()
     hw = autoshard.load_hardware(args.hardware)
     results = []
     t_all = time.perf_counter()

@@ -48,7 +48,6 @@ Run: python bench/step_decomposition.py [--models gpt2-128,llama-128,bert-128,cn
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -60,7 +59,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
 from runtime_speed import plan_on_rank0  # noqa: E402
@@ -235,11 +234,7 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    import autoshard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    mesh = autoshard.init_mesh(MESH)
+    mesh, _ = init_gloo_ranks(MESH)
     local = LocalCollectives()
     results = []
     try:

@@ -25,7 +25,6 @@ Run: python bench/step_waits.py [--models gpt2-128,llama-384,cnnsync-8]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,11 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
 from plan_fidelity import MESH, OUTPUTS, WORLD, LossView, build, function_options  # noqa: E402
 from runtime_speed import Config, plan_on_rank0  # noqa: E402
 
@@ -105,10 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     import autoshard
     from autoshard.runtime import capture_meta
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    mesh = autoshard.init_mesh(MESH)
-    rank = dist.get_rank()
+    mesh, rank = init_gloo_ranks(MESH)
     trace = WaitTrace()
     results = []
     try:

@@ -401,7 +401,7 @@ wait for drifted ranks (:mod:`.sync_wait`). mlp-256 at batch 8 on 4 gloo ranks: 
 the replicated plan 22.2 ms both ways, measured 17.6 ms against 25.8.
 Megatron is left out: what sets it apart, its tensor-parallel collectives, runs inline and the ILP
 prices it exactly as :func:`~.ilp.predict` does, and its restricted ILP (resharding penalised) was
-the slowest of the three (about 3 s of a 8 s Llama-7B plan). Over 36 model x profile x mesh x budget
+the slowest of the three parallel families (about 3 s of a 8 s Llama-7B plan). Over 36 model x profile x mesh x budget
 cases (GPT-2, Llama, BERT, MLP, CNN; cpu-gloo and the H100 profiles) it never modeled faster than
 the ILP's plan where it fit the budget (1.01x to 39x slower)."""
 

@@ -23,10 +23,11 @@ import autoshard
 from autoshard.models import build_model
 from autoshard.plans import Plan
 from autoshard.runtime import capture_meta
+from autoshard.solver.baselines import BASELINES
 from runtime_harness import RTOL, ATOL, device_mesh, on_all_ranks
 
 MODELS = ["mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny"]
-PLANS = ["solved", "data_parallel", "megatron", "zero3", "replicated"]
+PLANS = ["solved", *BASELINES]
 BATCH = 8
 STEPS = 3
 _GRAPHS: dict[str, object] = {}
