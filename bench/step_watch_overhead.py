@@ -1,46 +1,40 @@
-"""Cost of the step watch (a rank that skips backward is an error): the same data-parallel step with it
+"""Cost of the step watch (a rank that skips backward is an error): the same plan with it
 (``check_inputs="first"``, the default) and without (``check_inputs="never"``), on 4 gloo ranks.
 
-GPT-2 (width 128, 4 layers, batch 8, seq 128, fp32, AdamW), ``baseline="data_parallel"`` on a 2x2
-mesh: every backward all-reduces the gradients in buckets, the collectives the watch waits in. Each
-step runs between two barriers (rank 0's time is the slowest rank's); the two configurations
-alternate step by step (order swapped every other round), so that load from other processes hits
-both alike; medians, and the median of the paired differences. Besides, each rank times the watch's
-own code (the store read at a call, at most one per 0.25 s of calls; the store write at the start of
-backward) and counts the diagnosis reads (those of the calls, plus one per 0.25 s a collective runs
-past a wait slice).
+Per model (a ``bench/plan_fidelity.py`` model key) and plan (``--plans``: baselines and ``solved``,
+planned under ``--hardware`` with ``outputs="local"`` and the model's fidelity-bench function
+options), the two modules train in interleaved rounds as a training loop runs them, back to back
+(``runtime_speed.run_rounds(back_to_back=True)``: each step from the end of the one before it to its
+own end, on the last rank to reach them). Each rank also times the watch's own code per step (the
+call's check, which reads the store at most once per 0.25 s of calls; the start of backward, which
+posts this rank's word to the store's background writer) and counts the diagnosis reads.
 
-Run: python bench/step_watch_overhead.py [--rounds 40] [--baseline data_parallel]
-(re-launches itself under torchrun with 4 ranks, OMP_NUM_THREADS=1).
+Run: python bench/step_watch_overhead.py [--models gpt2-64:8x32,cnn-12:8x32] [--plans data_parallel,replicated]
+[--hardware cpu-gloo] [--rounds 30] [--steps 3] (re-launches itself under torchrun with 4 ranks).
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import init_gloo_ranks, work_or_launch, write  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, write  # noqa: E402
+MESH = (2, 2)
+WORLD = MESH[0] * MESH[1]
+DEFAULT_MODELS = "gpt2-64:8x32,cnn-12:8x32"
+DEFAULT_PLANS = "data_parallel,replicated"
+MODES = (("with watch", "first"), ("without", "never"))
 
-GPT2 = ("gpt2-tiny", dict(n_embd=128, num_layers=4, n_head=4, n_positions=128, vocab_size=2048))
 
-
-def worker(rounds: int, baseline: str, out: str) -> None:
-    import torch.distributed as dist
-
-    import autoshard
-    from autoshard.models import build_model
+def _timed_watch(own: dict) -> None:
+    """Time the watch's per-step code and count its diagnosis reads into ``own`` (this rank)."""
     from autoshard.runtime import step_watch
-
-    own = {"before_forward": 0.0, "backward_started": 0.0, "reads": 0}
 
     def timed(name, fn):
         def wrapper(self, *args):
@@ -57,81 +51,95 @@ def worker(rounds: int, baseline: str, out: str) -> None:
             return fn(self, *args, **kwargs)
         return wrapper
 
-    step_watch.StepWatch.before_forward = timed("before_forward", step_watch.StepWatch.before_forward)
-    step_watch.StepWatch.backward_started = timed("backward_started", step_watch.StepWatch.backward_started)
-    step_watch.StepWatch.check = counted(step_watch.StepWatch.check)
+    watch = step_watch.StepWatch
+    watch.before_forward = timed("before_forward", watch.before_forward)
+    watch.backward_started = timed("backward_started", watch.backward_started)
+    watch.check = counted(watch.check)
 
-    mesh = autoshard.init_mesh((2, 2))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    preset, overrides = GPT2
-    model, _, kwargs = build_model(preset, device="cpu", batch=8, seq=128, dropout=0.0, **overrides)
-    plan = autoshard.plan_once(model, kwargs=kwargs, mesh=(2, 2), hardware="cpu-gloo", baseline=baseline)
-    modules = {name: autoshard.parallelize(copy.deepcopy(model), plan, mesh, check_inputs=check)
-               for name, check in (("with watch", "first"), ("without", "never"))}
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in modules.items()}
 
-    def step(name: str) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        modules[name](**kwargs).loss.backward()
-        opts[name].step()
-        opts[name].zero_grad(set_to_none=True)
-        dist.barrier()
-        return time.perf_counter() - start
+def worker(args: argparse.Namespace) -> None:
+    import json
 
-    for name in modules:
-        for _ in range(3):
-            step(name)
-    own.update(before_forward=0.0, backward_started=0.0, reads=0)
-    times: dict[str, list[float]] = {n: [] for n in modules}
-    for r in range(rounds):
-        for name in (list(modules) if r % 2 == 0 else list(modules)[::-1]):
-            times[name].append(step(name))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {k: v / rounds for k, v in own.items()})
+    import torch.distributed as dist
+
+    import autoshard
+    import plan_fidelity as pf
+    from runtime_speed import Config, plan_on_rank0, run_rounds
+
+    mesh, rank = init_gloo_ranks(MESH)
+    own = {"before_forward": 0.0, "backward_started": 0.0, "reads": 0}
+    _timed_watch(own)
+    results = []
+    for key in args.models.split(","):
+        for plan_name in args.plans.split(","):
+            model, kwargs = pf.build(key)
+            plan, _ = plan_on_rank0(model, kwargs, MESH, None if plan_name == "solved" else plan_name, rank, "local",
+                                    args.hardware, **pf.function_options(key))
+            configs = []
+            for mode, check in MODES:
+                pm = autoshard.parallelize(pf.build(key)[0], plan, mesh, check_inputs=check)
+                configs.append(Config(mode, key, pf.LossView(pm), kwargs, pm.parameters()))
+            own.update(before_forward=0.0, backward_started=0.0, reads=0)
+            run_rounds(configs, 2, args.rounds, args.steps, dist.barrier, settle=1, back_to_back=True)
+            steps = (2 + args.rounds * (1 + args.steps))          # every step the watched module ran
+            everyone: list = [None] * WORLD
+            dist.all_gather_object(everyone, {k: v / steps for k, v in own.items()})
+            times = {c.name: c.times for c in configs}
+            results.append({"model": key, "plan": plan_name, "modeled_ms": 1e3 * plan.time["total"],
+                            "median_ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+                            "times_s": times, "watch_own_per_step_per_rank": everyone})
+            if rank == 0:
+                print(f"[step_watch_overhead {time.strftime('%H:%M:%S')}] {key} {plan_name} done", file=sys.stderr,
+                      flush=True)
+            del configs
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"times": times, "watch_own_per_step": everyone}, f)
+        Path(args.out).write_text(json.dumps(results, default=str))
+    dist.destroy_process_group()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--baseline", default="data_parallel")
-    p.add_argument("--worker-out")
-    a = p.parse_args()
-    if a.worker_out:
-        worker(a.rounds, a.baseline, a.worker_out)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                        __file__, "--rounds", str(a.rounds), "--baseline", a.baseline, "--worker-out", out],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        with open(out) as f:
-            result = json.load(f)
-    times = result["times"]
-    med = {n: statistics.median(ts) for n, ts in times.items()}
-    diff = statistics.median(a - b for a, b in zip(times["with watch"], times["without"]))
-    own = result["watch_own_per_step"]
+def _span(values) -> str:
+    return f"{1e3 * min(values):.3f}-{1e3 * max(values):.3f}"
+
+
+def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None:
+    import os
+
+    rows = []
+    for r in results:
+        with_ms, without_ms = r["median_ms"]["with watch"], r["median_ms"]["without"]
+        own = r["watch_own_per_step_per_rank"]
+        rows.append([r["model"], r["plan"], f"{without_ms:.2f}", f"{with_ms:.2f}", f"{with_ms / without_ms:.3f}x",
+                     _span([o["before_forward"] for o in own]), _span([o["backward_started"] for o in own]),
+                     f"{max(o['reads'] for o in own):.2f}"])
     load = os.getloadavg()[0]
-    data = {"machine": machine(), "rounds": a.rounds, "baseline": a.baseline, "median_s": med,
-            "paired_difference_s": diff, "steps_s": times, "watch_own_per_step_per_rank": own,
-            "load_average_1min_after": load}
-    rows = [[f"gpt2 {a.baseline} 2x2", f"{med['without'] * 1e3:.1f}", f"{med['with watch'] * 1e3:.1f}",
-             f"{diff * 1e3:+.1f}",
-             f"{min(o['before_forward'] for o in own) * 1e3:.2f}-{max(o['before_forward'] for o in own) * 1e3:.2f}",
-             f"{min(o['backward_started'] for o in own) * 1e3:.2f}-"
-             f"{max(o['backward_started'] for o in own) * 1e3:.2f}",
-             f"{max(o['reads'] for o in own):.1f}", f"{load:.1f}"]]
-    write("step_watch_overhead" + ("" if a.baseline == "data_parallel" else f"_{a.baseline}"), data,
-          ["model", "without ms", "with watch ms", "paired difference ms", "watch per call ms (ranks)",
-           "watch at backward start ms", "diagnosis reads per step", "load average"], rows,
-          note=f"Training step (forward + backward + AdamW), 4 gloo ranks on a 2x2 mesh, 1 torch thread each; "
-               f"medians of {a.rounds} steps per configuration, alternating, after 3 warm-up steps each. The machine "
-               f"is shared: the load average (1 min, after the run) says how much.")
+    note = (f"Training step (forward + backward + AdamW, fp32), 4 gloo ranks on a 2x2 mesh sharing the machine's "
+            f"cores, 1 torch thread each, profile `{args.hardware}`; the module with the watch and without it in "
+            f"{args.rounds} interleaved rounds x {args.steps} steps back to back (after 1 untimed step per turn and "
+            f"2 warm-up steps), medians. Watch code: per step, the range over ranks. Load average (1 min) after the "
+            f"run {load:.1f}; whole run {wall_s / 60:.1f} min (python bench/step_watch_overhead.py).")
+    write("step_watch_overhead", {"results": results, "hardware": args.hardware, "rounds": args.rounds,
+                                  "steps": args.steps, "wall_s": wall_s, "load_average_1min_after": load},
+          ["model", "plan", "without ms", "with watch ms", "with / without", "watch at the call ms",
+           "watch at backward start ms", "diagnosis reads per step"], rows, note)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated bench/plan_fidelity.py model keys")
+    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, and 'solved'")
+    ap.add_argument("--hardware", default="cpu-gloo", help="profile name or YAML path to plan under")
+    ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import plan_fidelity as pf
+
+    for key in args.models.split(","):
+        pf.model_spec(key)
+    return work_or_launch(args, __file__, ("models", "plans", "hardware", "rounds", "steps"), worker, report, WORLD,
+                          ROOT)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -87,6 +87,7 @@ COMMANDS: dict[str, str] = {
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks
     "python bench/step_lockstep.py": ARGS,         # ~1 min on 4 ranks
+    "python bench/step_watch_overhead.py": ARGS,   # ~1 min on 4 ranks
     "python bench/step_decomposition.py --models mlp-512,mlp-256 --plans data_parallel,solved "
     "--hardware bench/results/plan_fidelity_fourth-profile.yaml": ARGS,     # 1.5 min, a diagnosis
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from autoshard.runtime.replicas import ReplicaMismatchError
-from autoshard.runtime.step_watch import POLL_S, SkippedBackwardError, StepWatch
+from autoshard.runtime.step_watch import POLL_S, SkippedBackwardError, StepWatch, StepWatchStoreError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,3 +188,63 @@ def test_a_rank_that_never_gives_its_word_is_an_error_after_the_store_timeout() 
         w0.before_forward()
     assert not isinstance(info.value, SkippedBackwardError)
     assert time.monotonic() - start < 5
+
+
+class _SlowStore:
+    """A store whose writes take ``delay_s`` (a server thread waiting for a core), or fail with ``fail``."""
+
+    def __init__(self, delay_s: float = 0.0, fail: BaseException | None = None) -> None:
+        self.store, self.delay_s, self.fail = dist.HashStore(), delay_s, fail
+        self.timeout = self.store.timeout
+        self.writes: list[str] = []
+
+    def set(self, key, value):
+        time.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        self.writes.append(key)
+        self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+
+def test_the_start_of_backward_does_not_wait_for_the_store_and_its_word_still_arrives() -> None:
+    store = _SlowStore(delay_s=0.5)
+    w0 = StepWatch("m", store=store, rank=0, world=2)
+    w1 = StepWatch("m", store=store, rank=1, world=2)
+    for w in (w0, w1):
+        w.before_forward()
+        w.new_step()
+    start = time.monotonic()
+    w0.backward_started(0)
+    assert time.monotonic() - start < 0.25, "the start of backward waited for the store's reply"
+    # rank 1 skipped the step rank 0 ran: it waits for rank 0's word, written in the background
+    with pytest.raises(SkippedBackwardError, match=r"^rank 1 did not run backward on training step 1 .*while rank 0 did"):
+        w1.before_forward()
+
+
+def test_a_skip_key_is_written_after_the_words_posted_before_it() -> None:
+    store = _SlowStore(delay_s=0.2)
+    w0 = StepWatch("m", store=store, rank=0, world=1)
+    w0.before_forward()
+    w0.backward_started(w0.new_step())           # step 0 ran backward (its word in flight) ...
+    w0.before_forward()
+    w0.new_step()                                # ... step 1 did not
+    w0.before_forward()
+    assert store.writes == ["autoshard/steps/m/bwd/0", "autoshard/steps/m/skip/1/0"], store.writes
+
+
+def test_a_word_the_store_refused_is_an_error_at_the_next_step() -> None:
+    store = _SlowStore(fail=RuntimeError("Connection reset by peer"))
+    w0 = StepWatch("m", store=store, rank=0, world=1)
+    w0.before_forward()
+    w0.backward_started(w0.new_step())
+    deadline = time.monotonic() + 10
+    with pytest.raises(StepWatchStoreError, match=r"could not write 'autoshard/steps/m/bwd/0'.*Connection reset by peer"
+                                                  r".*restart the job"):
+        while time.monotonic() < deadline:      # the failure reaches the first post after it
+            w0.before_forward()
+            w0.backward_started(w0.new_step())
+            time.sleep(0.01)

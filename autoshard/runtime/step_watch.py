@@ -9,7 +9,10 @@ group's key-value store, without a collective on the normal path:
 - a *step* is a call of the parallel model whose outputs need a gradient; steps are numbered alike
   on every rank because every rank runs the same calls.
 - when backward of step ``s`` starts on rank ``r`` (a gradient reaches the step's outputs, before
-  any backward collective) ``r`` sets its key ``bwd/r`` to ``s`` (one store write per step);
+  any backward collective) ``r`` sets its key ``bwd/r`` to ``s`` (one store write per step, made by a
+  background thread, :class:`_LatestWriter`, so that backward does not wait for the store's reply:
+  on 4 gloo ranks sharing 2 cores that round trip waits for the store's server thread to get a core,
+  and written inline it cost cnn-12's 6-11 ms steps 1.3-1.5 ms each; see ``bench/step_watch_overhead.py``);
 - at the next call of the model, a rank whose step ``s`` got no backward posts ``skip/s/r`` and
   waits until every rank has said what it did with step ``s``: ran backward (``bwd/q >= s`` and no
   ``skip/s/q``) or skipped it too (``skip/s/q``). All skipped: legal, it goes on. Some ran, some
@@ -31,6 +34,7 @@ Polling is for gloo (CPU) only: an NCCL wait does not block the host, and a time
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from typing import Any
 
@@ -38,7 +42,7 @@ import torch.distributed as dist
 
 from .replicas import ReplicaMismatchError
 
-__all__ = ["POLL_S", "SkippedBackwardError", "StepWatch"]
+__all__ = ["POLL_S", "SkippedBackwardError", "StepWatch", "StepWatchStoreError"]
 
 POLL_S = 0.25
 """Seconds a collective waits before it looks for a diagnosis in the store (and again after each slice)."""
@@ -49,6 +53,68 @@ _LOCAL_TIMEOUT = "Operation timed out"      # what Work.wait(timeout) raises whe
 
 class SkippedBackwardError(ReplicaMismatchError):
     """Some ranks ran backward of a training step and others did not (raised on every rank)."""
+
+
+class StepWatchStoreError(RuntimeError):
+    """The step watch could not write this rank's word to the process group's store."""
+
+
+class _LatestWriter:
+    """Writes the latest value posted for one store key from a background thread.
+
+    :meth:`post` returns at once; values posted while a write is under way collapse into the latest
+    (the key says the last step whose backward started: readers compare it with ``>=``, so an
+    intermediate value carries nothing a later one does not). :meth:`flush` waits until the last
+    value posted is in the store, so that a write made after it (a skip key) is never seen before
+    it. A failed write is raised (as :class:`StepWatchStoreError`) at the next post or flush."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+        self._cond = threading.Condition()
+        self._pending: str | None = None
+        self._writing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def post(self, value: str) -> None:
+        with self._cond:
+            self._raise_failure()
+            self._pending = value
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"autoshard-step-watch:{self.key}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        with self._cond:
+            while (self._pending is not None or self._writing) and self._error is None:
+                self._cond.wait()
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise StepWatchStoreError(
+                f"the step watch could not write {self.key!r} to the process group's store ({self._error}); the "
+                f"store (torchrun's rendezvous) is gone or unreachable, so this rank cannot tell the others which "
+                f"steps it ran backward on: restart the job") from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                value, self._pending, self._writing = self._pending, None, True
+            try:
+                self.store.set(self.key, value)
+            except BaseException as e:  # handed to the training thread at its next post or flush
+                with self._cond:
+                    self._error, self._writing = e, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -77,6 +143,7 @@ class StepWatch:
         self.diagnosis: str | None = None
         self._error_key = self.prefix + "error"
         self._next_read = 0.0                # monotonic time of the next call that reads the error key
+        self._bwd_writer = _LatestWriter(self.store, self._bwd_key(self.rank))
 
     def _bwd_key(self, rank: int) -> str:
         return f"{self.prefix}bwd/{rank}"
@@ -96,7 +163,7 @@ class StepWatch:
         self.ran.add(step)
         if step > self.started:
             self.started = step
-            self.store.set(self._bwd_key(self.rank), str(step))
+            self._bwd_writer.post(str(step))
 
     def before_forward(self) -> None:
         """At each call of the model, before any collective: raise :class:`SkippedBackwardError` if a
@@ -114,6 +181,7 @@ class StepWatch:
         mine = step in self.ran
         self.ran = {s for s in self.ran if s > step}
         if not mine:
+            self._bwd_writer.flush()         # readers take a skip key over a later step's bwd: keep them in order
             self.store.set(self._skip_key(step, self.rank), "1")
             self.posted.append(step)
         if mine and not self.barrier:
