@@ -107,7 +107,7 @@ def run_on_ranks(script: str, args: Sequence[str], ranks: int, root: Path) -> ob
         return json.loads(out.read_text())
 
 
-def rank_bench_parser(description: str, models: str, profile: Path) -> argparse.ArgumentParser:
+def rank_bench_parser(description: str, models: str, profile: "Path | str") -> argparse.ArgumentParser:
     """The options every bench that re-launches itself on ranks under a profile takes: ``--models``,
     ``--hardware`` and the worker's own ``--worker`` and ``--out``."""
     ap = argparse.ArgumentParser(description=description)

@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import init_gloo_ranks, same_plan, work_or_launch, write  # noqa: E402
+from _common import init_gloo_ranks, rank_bench_parser, same_plan, work_or_launch, write  # noqa: E402
 
 MESH = (2, 2)
 WORLD = MESH[0] * MESH[1]
@@ -104,14 +104,10 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated bench/plan_fidelity.py model keys")
-    ap.add_argument("--hardware", default="cpu-gloo", help="profile name or YAML path to plan under")
+    ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, "cpu-gloo")
     ap.add_argument("--passes", type=int, default=6, help="alternating passes (even: both modes alike)")
     ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds per pass")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     import plan_fidelity as pf
 
