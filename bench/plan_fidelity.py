@@ -32,9 +32,11 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
 
    Every plan runs with ``autoshard.parallelize``; torch DDP and FSDP2 (``fully_shard`` per
    transformer block, then the root, over all 4 ranks) train the same model. A step is forward +
-   backward + AdamW step (fp32, dropout 0), timed as a training loop runs it: back to back, from the
-   end of the step before it to its own end, both on the last rank to reach them (a barrier starts
-   each configuration's turn, none follows a step; see ``runtime_speed.run_rounds``); medians of interleaved
+   backward + AdamW step (fp32, dropout 0), timed as a training loop runs it: back to back, a
+   configuration's turn of ``--steps`` steps timed as one, the job's step while every rank was
+   stepping (from the last rank's start to the first rank's end of the turn, over the mean of the
+   steps the ranks made in it: where ranks share cores a rank that ends first leaves its core to the
+   others; see ``runtime_speed._loop_turn``); medians of interleaved
    rounds (every configuration runs ``--settle`` untimed steps, then ``--steps`` timed ones, in turn:
    the first step after another configuration ran is slower, from caches and memory the other one
    left, which no training run that keeps one model sees). A model gets at least ``--rounds`` rounds,
@@ -93,7 +95,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import KEEP_FREED_MEMORY, RESULTS, init_gloo_ranks, rank_env, write  # noqa: E402
-from runtime_speed import Config, run_rounds, stats, summary, timed_step  # noqa: E402
+from runtime_speed import LOOP_TIMING, Config, run_rounds, stats, summary, timed_step  # noqa: E402
 
 MESH = (2, 2)
 OUTPUTS = "local"     # autoshard returns each rank's shard of the logits, as DDP does (plan(outputs=...))
@@ -1145,8 +1147,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
                      _flag(s["pass"]["median_err"]), _drift_cell(m.get("drift")), _drift_fidelity_cell(s),
                      f"{_sci(s['loss_max_diff_autoshard'])} / {_sci(s['loss_max_diff'])}"])
     detail = ["", "Every configuration (modeled: plan.time['total'] under the measured profile; plans made under "
-              "another profile are re-priced; measured: median (min-max) of the timed steps, back to back, "
-              "each from the end of the one before it to its own end on the last rank to reach them):", "",
+              "another profile are re-priced; measured: median (min-max) over the timed turns of steps "
+              f"{LOOP_TIMING}):", "",
               "| model | config | decisions | modeled ms | modeled ms, profile scaled to the drift | measured ms | "
               "error % | step-0 loss | note |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -1212,8 +1214,8 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
             f"vocab {VOCAB}; CNN batch {BATCH}, "
             f"{IMAGE}x{IMAGE} images, 10 classes (2 conv blocks, cross-entropy inside the graph); MLP (mlp-<features>) "
             f"batch {BATCH}, 4 linear layers, hidden 4 x features, {MLP_CLASSES} classes; a model key ending in :BATCH or :BATCHxSEQ (SEQ: an LM's sequence, a CNN's image side) "
-            f"sets its own sizes. Medians of "
-            f"interleaved rounds x {args.steps} step(s) (each turn after {args.settle} untimed step(s); rounds per model: "
+            f"sets its own sizes. Steps {LOOP_TIMING}; medians of "
+            f"interleaved rounds of one turn of {args.steps} step(s) each (each turn after {args.settle} untimed step(s); rounds per model: "
             f"{', '.join(f'{m}: {m_rounds}' for m, m_rounds in rounds_by_model.items())}: at least {args.rounds}, more "
             f"where that gives about {args.timed_seconds:.0f} s of timed steps, at most {args.max_rounds}), "
             f"after {args.warmup} warm-up step(s) + step 0. "
@@ -1236,9 +1238,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,
-                              "timing": "barrier; settle + steps back to back, forward+backward+AdamW step+zero_grad each, "
-                                        "a step's time from the end of the one before it to its own end, both on the last rank to "
-                                        "reach them; barrier"},
+                              "timing": f"forward+backward+AdamW step+zero_grad per step, {LOOP_TIMING}"},
                  "profile": {"path": str(hw_path.relative_to(ROOT)), "seconds": profile_s, "hardware": hw.to_dict()},
                  "summary": [{"model": m["model"], **s} for m, s in zip(models, summaries)],
                  "wall_s": wall_s, "loadavg_at_end": loadavg or os.getloadavg()})

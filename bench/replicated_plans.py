@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import init_gloo_ranks, same_plan, work_or_launch, write  # noqa: E402
+from runtime_speed import LOOP_TIMING  # noqa: E402
 
 MESH = (2, 2)
 WORLD = MESH[0] * MESH[1]
@@ -129,8 +130,8 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
                      f"{max(losses) - min(losses):.1e}"])
         summary.append({"model": spec, "solved_over_fastest": ratio, "fastest": fastest["config"]})
     note = (f"4 gloo ranks on a 2x2 mesh sharing the machine's cores, OMP_NUM_THREADS=1, profile `{args.hardware}`; "
-            "step = forward + backward + AdamW step, fp32, dropout 0, timed back to back; median ms of "
-            f"{args.rounds} interleaved rounds x {args.steps} steps (each turn after 1 untimed step) after "
+            f"step = forward + backward + AdamW step, fp32, dropout 0, timed {LOOP_TIMING}; median ms of "
+            f"{args.rounds} interleaved rounds of a turn of {args.steps} steps after 1 untimed one, after "
             f"{args.warmup} warm-up steps. Plans: outputs='local', loss='per_rank' (the function DDP computes). "
             "Solved plan: its compute ops that run on a shard of their work ('none: replicated': every rank runs "
             "every op on the whole batch). Step-0 loss diff: max - min of the configurations' global-batch losses at step 0. "

@@ -29,6 +29,7 @@ memory: see bench/_common.py KEEP_FREED_MEMORY).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import copy
 import json
@@ -81,6 +82,7 @@ class Config:
         self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
         self.times: list[float] = []
         self.settle_times: list[float] = []       # the untimed steps at the start of each turn, timed anyway
+        self.unmeasured_turns = 0                 # back-to-back turns without a moment every rank was stepping
         self.phases: list[tuple[float, float, float]] = []
         self.first_loss: float | None = None
         self.loss_group = loss_group
@@ -115,6 +117,12 @@ class Config:
         return cfg
 
 
+LOOP_TIMING = ("back to back as a training loop runs them, each configuration's turn (after its untimed "
+               "settle steps and a barrier) timed as one: the job's step while every rank was stepping, from the "
+               "last rank's start to the first rank's end of the turn, over the mean of the steps the ranks made in it")
+"""How :func:`run_rounds` times back-to-back steps, for the benches' notes."""
+
+
 def timed_step(cfg: Config, barrier: Callable[[], None], into: list[float] | None = None) -> None:
     barrier()
     t0 = time.perf_counter()
@@ -131,10 +139,10 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
     runs ``settle`` untimed steps (its caches and allocator back to its own steady state after the
     others ran) and ``steps`` timed ones.
 
-    Timed steps are each between two barriers (:func:`timed_step`), or, with ``back_to_back``, run as
-    a training loop runs them: a barrier starts the configuration's turn, its steps follow each other
-    with nothing between them, and a step's time is from the end of the one before it (or the barrier)
-    to its own end, both on the last rank to reach them (:func:`_loop_turn`). A barrier after every
+    Timed steps are each between two barriers (:func:`timed_step`; one time per step), or, with
+    ``back_to_back``, run as a training loop runs them: a barrier starts the configuration's turn, its
+    steps follow each other with nothing between them, and the turn gives one time, the job's step
+    while every rank was stepping (:func:`_loop_turn`). A barrier after every
     step adds what the ranks drifted apart in the step's last stretch without a collective (its
     optimizer step) and the barrier itself (1-2 ms on 4
     gloo ranks sharing 2 cores: cnn-16's data-parallel step 18.9 ms between barriers, 17.4 back to back),
@@ -160,33 +168,79 @@ def run_rounds(configs: list[Config], warmup: int, rounds: int, steps: int, barr
 
 
 def _loop_turn(cfg: Config, barrier: Callable[[], None], settle: int, steps: int) -> None:
-    """One configuration's turn of ``settle`` + ``steps`` back-to-back steps; the settle steps' times
-    go to ``cfg.settle_times`` (their phases dropped).
+    """One configuration's turn: ``settle`` untimed steps (each step's time, from the moment the first
+    rank left the barrier or the last rank ended the step before to the moment the last rank ends it,
+    to ``cfg.settle_times``), a barrier, then ``steps`` back-to-back steps timed as one: the job's
+    step while every rank was stepping (:func:`busy_step`) to ``cfg.times``, their phases to
+    ``cfg.phases``.
 
-    A step's time is the job's: from the moment the last rank ended the step before it (the first
-    step: the moment the barrier let the ranks go, the first rank's to leave it) to the moment the
-    last rank ends this one (:func:`_over_ranks`). The first step starts at the earliest leave, not
-    the latest: a rank the scheduler wakes late from the barrier would otherwise cut the last rank's
-    first step short (35.5 of its 40 ms in one CI run). On one rank's own clock,
-    a plan with no collective in its step (every rank computing the whole batch) is timed while the
-    other ranks may be ahead of it, or behind it waiting at the turn's barrier, leaving it a core to
-    itself; a training loop's ranks never stop, and its step ends when the slowest rank's does.
-    (mlp-256's replicated plan measured 17.6 ms both ways: its steps were not biased by this.)"""
+    Not from the first to the last rank's end: after a rank's last step it waits in the closing
+    barrier and, where ranks share cores, leaves its core to the others, whose last steps then run
+    faster than a training loop's, whose ranks never stop. A plan with no collective (every rank the
+    whole batch; its ranks drift apart freely) measured 6.2 ms a step that way in turns of 3 steps
+    and 10.3 over turns of 24 (cnn-12:8x32, 4 gloo ranks on 2 cores, modeled 10.5). Nor on each
+    rank's own clock: the scheduler leaves a rank without a core for up to 180 ms (27 steps of the
+    same plan: one rank's first 3 steps took 177 ms, another's 27 took 143), so a rank's own steps
+    are timed partly on a core of its own."""
     barrier()
-    start = time.perf_counter()
+    first_leave = time.perf_counter()
     ends = []
-    for _ in range(settle + steps):
+    for _ in range(settle):
         cfg.step()
         ends.append(time.perf_counter())
+        cfg.phases.pop()                  # the phase medians are of the timed steps only
+    if settle:
+        (first_leave,) = _over_ranks([first_leave], "min")
+        ends = _over_ranks(ends, "max")
+        cfg.settle_times += [end - before for before, end in zip([first_leave, *ends], ends)]
     barrier()
-    (start,) = _over_ranks([start], "min")
-    ends = _over_ranks(ends, "max")
-    for i, (before, end) in enumerate(zip([start, *ends], ends)):
-        if i < settle:
-            cfg.settle_times.append(end - before)
-            cfg.phases.pop()
-        else:
-            cfg.times.append(end - before)
+    moments = [time.perf_counter()]
+    for _ in range(steps):
+        cfg.step()
+        moments.append(time.perf_counter())
+    barrier()
+    step = busy_step(_gathered(moments))
+    if step is None:
+        cfg.unmeasured_turns += 1
+    else:
+        cfg.times.append(step)
+
+
+def busy_step(moments: list[list[float]]) -> float | None:
+    """The job's seconds per step while every rank was stepping, from each rank's moments (its start,
+    then the end of each step): the window from the last rank's start to the first rank's end of its
+    last step, over the mean of the steps the ranks made in it (fractions of a step by linear
+    interpolation within it). Where ranks share cores and one has none for a while, the others make
+    its steps' worth in its place: the mean is the steps a training loop's ranks make, each in turn
+    without a core, in that time. None where there is no such window (a rank ended its steps before
+    another started: the scheduler kept one from its core for the whole turn)."""
+    t0 = max(m[0] for m in moments)
+    t1 = min(m[-1] for m in moments)
+    if t1 <= t0:
+        return None
+    made = statistics.mean(_steps_made(m, t1) - _steps_made(m, t0) for m in moments)
+    return (t1 - t0) / made
+
+
+def _steps_made(moments: list[float], t: float) -> float:
+    """Steps a rank had made at moment ``t`` (its start, then the end of each step), fractions by
+    linear interpolation within the step ``t`` falls in."""
+    k = bisect.bisect_right(moments, t) - 1
+    if k >= len(moments) - 1:
+        return float(len(moments) - 1)
+    return k + (t - moments[k]) / (moments[k + 1] - moments[k])
+
+
+def _gathered(moments: list[float]) -> list[list[float]]:
+    """Every rank's ``moments`` (the same count on each), rank by rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [moments]
+    mine = torch.tensor(moments, dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
 
 
 def _over_ranks(moments: list[float], which: str) -> list[float]:
@@ -389,9 +443,13 @@ def worker_single(args) -> dict:
 def summary(cfg: Config) -> dict:
     """Rank 0's view of one configuration (phases: forward / backward / optimizer step of the timed
     steps, rank 0's clock, no barrier between them, so a phase includes waiting for other ranks)."""
+    if not cfg.times:
+        raise RuntimeError(f"{cfg.model_key} {cfg.name}: no timed step ({cfg.unmeasured_turns} back-to-back turns "
+                           "without a moment every rank was stepping): time more rounds or steps per turn")
     phases = {k: 1e3 * statistics.median(p[i] for p in cfg.phases) for i, k in enumerate(("fwd", "bwd", "opt"))}
     settle = {"settle_median_ms": 1e3 * statistics.median(cfg.settle_times)} if cfg.settle_times else {}
-    return {"name": cfg.name, "model": cfg.model_key, **stats(cfg.times), **settle, "phase_median_ms": phases,
+    unmeasured = {"unmeasured_turns": cfg.unmeasured_turns} if cfg.unmeasured_turns else {}
+    return {"name": cfg.name, "model": cfg.model_key, **stats(cfg.times), **settle, **unmeasured, "phase_median_ms": phases,
             "first_loss": None if cfg.first_loss != cfg.first_loss else cfg.first_loss, **cfg.extra}
 
 

@@ -7,7 +7,7 @@ brought back together at each one. This bench runs the same plans both ways, int
 torchrun launch of 4 ranks (2x2 mesh):
 
 - ``back to back``: as a training loop runs them (``runtime_speed.run_rounds(back_to_back=True)``:
-  each step from the end of the one before it to its own end, on the last rank to reach them);
+  a turn of steps timed as one, the job's step while every rank was stepping);
 - ``barrier per step``: a barrier before and after every step (``back_to_back=False``), which holds
   the ranks in lockstep; the time includes the closing barrier (1-2 ms on these ranks).
 

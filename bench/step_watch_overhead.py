@@ -4,8 +4,8 @@
 Per model (a ``bench/plan_fidelity.py`` model key) and plan (``--plans``: baselines and ``solved``,
 planned under ``--hardware`` with ``outputs="local"`` and the model's fidelity-bench function
 options), the two modules train in interleaved rounds as a training loop runs them, back to back
-(``runtime_speed.run_rounds(back_to_back=True)``: each step from the end of the one before it to its
-own end, on the last rank to reach them). Each rank also times the watch's own code per step (the
+(``runtime_speed.run_rounds(back_to_back=True)``: a turn of steps timed as one, the job's step while
+every rank was stepping). Each rank also times the watch's own code per step (the
 call's check, which reads the store at most once per 0.25 s of calls; the start of backward, which
 posts this rank's word to the store's background writer) and counts the diagnosis reads.
 
@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import init_gloo_ranks, rank_bench_parser, work_or_launch, write  # noqa: E402
+from runtime_speed import LOOP_TIMING  # noqa: E402
 
 MESH = (2, 2)
 WORLD = MESH[0] * MESH[1]
@@ -114,8 +115,8 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
     load = os.getloadavg()[0]
     note = (f"Training step (forward + backward + AdamW, fp32), 4 gloo ranks on a 2x2 mesh sharing the machine's "
             f"cores, 1 torch thread each, profile `{args.hardware}`; the module with the watch and without it in "
-            f"{args.rounds} interleaved rounds x {args.steps} steps back to back (after 1 untimed step per turn and "
-            f"2 warm-up steps), medians. Watch code: per step, the range over ranks. Load average (1 min) after the "
+            f"{args.rounds} interleaved rounds of a turn of {args.steps} steps, {LOOP_TIMING} (after 2 warm-up "
+            f"steps), medians. Watch code: per step, the range over ranks. Load average (1 min) after the "
             f"run {load:.1f}; whole run {wall_s / 60:.1f} min (python bench/step_watch_overhead.py).")
     write("step_watch_overhead", {"results": results, "hardware": args.hardware, "rounds": args.rounds,
                                   "steps": args.steps, "wall_s": wall_s, "load_average_1min_after": load},
