@@ -17,9 +17,10 @@ rotates every iteration):
 each phase (forward, backward, optimizer step) started after a barrier and timed on every rank; and
 
 - ``loop`` and ``loop, local collectives``: the runtime's training steps back to back, as a training
-  loop (and :mod:`plan_fidelity`) runs them, with real and with stand-in collectives: the slowest
-  rank's wall time per step. Where ranks share cores a rank blocked in a collective leaves its core
-  to the others, which the phases after barriers do not show.
+  loop (and :mod:`plan_fidelity`) runs them, with real and with stand-in collectives: the job's
+  step while every rank was stepping (:func:`runtime_speed.busy_step`; a turn without such a moment
+  is counted, not timed). Where ranks share cores a rank blocked in a collective leaves its core to
+  the others, which the phases after barriers do not show.
 
 The model's parts against their measured counterparts (medians over iterations):
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -62,7 +64,7 @@ sys.path.insert(0, str(HERE))
 from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
-from runtime_speed import plan_on_rank0  # noqa: E402
+from runtime_speed import _gathered, busy_step, plan_on_rank0  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_MODELS = "gpt2-128,gpt2-384,llama-128,llama-256,bert-128,bert-256,cnn-16,cnn-64,cnnsync-16"
@@ -154,8 +156,10 @@ def _phases(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -
 
 
 def _loop(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -> float:
-    """Seconds per training step on this rank over :data:`LOOP_STEPS` steps run back to back, after
-    one untimed step, all ranks started by a barrier."""
+    """The job's seconds per training step over :data:`LOOP_STEPS` steps run back to back after one
+    untimed step and a barrier, timed while every rank was stepping (:func:`runtime_speed.busy_step`,
+    as :mod:`plan_fidelity` times its turns; the same on every rank); NaN where the turn had no moment
+    with every rank stepping."""
     import torch.distributed as dist
 
     def step() -> None:
@@ -165,10 +169,23 @@ def _loop(module: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer) -> 
 
     step()
     dist.barrier()
-    t0 = time.perf_counter()
+    moments = [time.perf_counter()]
     for _ in range(LOOP_STEPS):
         step()
-    return (time.perf_counter() - t0) / LOOP_STEPS
+        moments.append(time.perf_counter())
+    busy = busy_step(_gathered(moments))
+    return math.nan if busy is None else busy
+
+
+def _drop_untimed_turns(samples: dict[str, list[list[float]]], what: str) -> dict[str, int]:
+    """Drop the loop turns :func:`_loop` could not time (NaN) from ``samples``; their count per loop.
+    Raises where a configuration is left with no sample."""
+    untimed = {name: sum(math.isnan(row[0]) for row in samples[name]) for name in LOOPS}
+    samples.update({name: [row for row in samples[name] if not math.isnan(row[0])] for name in LOOPS})
+    for name, rows in samples.items():
+        if not rows:
+            raise RuntimeError(f"{what}: no {name!r} turn had a moment with every rank stepping; run more --iters")
+    return untimed
 
 
 def _bucket_copy_seconds(pm, hw) -> float:
@@ -221,6 +238,7 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
             if i >= warmup:
                 samples[name].append((mean / WORLD).tolist() + slowest.tolist())
     hw = autoshard.load_hardware(hw_path)
+    untimed = _drop_untimed_turns(samples, f"{key} {plan_name}")
     med = {name: [statistics.median(col) * 1e3 for col in zip(*rows)] for name, rows in samples.items()}
     t = {k: v * 1e3 for k, v in plan.time.items()}
     copies = _bucket_copy_seconds(pm, hw) * 1e3
@@ -228,7 +246,8 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
                 for name, v in med.items() if name in CONFIGS}
     measured.update({name: {"mean": med[name][0], "slowest": med[name][1]} for name in LOOPS})
     return {"model": key, "plan": plan_name, "spec": model_spec(key), "iters": iters, "collective_kinds": kinds,
-            "modeled_ms": {**t, "bucket_copies": copies}, "measured_ms": measured}
+            "modeled_ms": {**t, "bucket_copies": copies}, "measured_ms": measured,
+            "untimed_loop_turns": untimed}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -288,6 +307,13 @@ def _err(pair: tuple[float, float]) -> str:
     return f"{100 * (modeled - measured) / measured:+.0f}%"
 
 
+def _untimed_cell(results: list[dict]) -> str:
+    """The loop turns that had no moment with every rank stepping (not timed), where there were any."""
+    untimed = [f"{r['model']} {Path(r['plan']).stem} {name} {n}" for r in results
+               for name, n in r.get("untimed_loop_turns", {}).items() if n]
+    return f"Untimed loop turns (of {results[0]['iters']}): {', '.join(untimed)}. " if untimed else ""
+
+
 def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None:
     rows = []
     for r in results:
@@ -309,11 +335,12 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
             "drifted ranks against that runtime's slowest rank less the mean. collectives: plan comm + resharding "
             "(its copies too) + exposed gradient sync less the copies, against the runtime less the stand-in one, slowest ranks, forward + "
             "backward. step: the runtime's slowest-rank forward and backward plus its optimizer phase. Loops: "
-            f"{LOOP_STEPS} training steps back to back, slowest rank's wall time per step. loop without collectives: "
+            f"{LOOP_STEPS} training steps back to back, the job's step while every rank was stepping (as "
+            "bench/plan_fidelity.py times a turn). loop without collectives: "
             "plan compute + optimizer + the buckets' copies against the loop with stand-in collectives. loop "
             "collectives: plan comm + resharding + gradient sync + sync_wait less the copies, against the loop "
             "less that one. loop step: plan total against the loop (what bench/plan_fidelity.py compares). "
-            f"Whole run {wall_s / 60:.1f} min.")
+            f"{_untimed_cell(results)}Whole run {wall_s / 60:.1f} min.")
     write("step_decomposition", {"results": results, "hardware": args.hardware, "iters": args.iters,
                                  "warmup": args.warmup, "wall_s": wall_s}, header, rows, note)
 

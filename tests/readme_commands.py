@@ -94,8 +94,8 @@ COMMANDS: dict[str, str] = {
     "python bench/step_decomposition.py --models mlp-512,mlp-256 --plans data_parallel,solved "
     "--hardware bench/results/plan_fidelity_fourth-profile.yaml": ARGS,     # 1.5 min, a diagnosis
     "python bench/step_decomposition.py": ARGS,      # 2.5 min of interleaved phases on 4 ranks
-    "python bench/step_decomposition.py --models cnn-16,cnn-64,cnnsync-16,gpt2-128,llama-128 "
-    "--plans data_parallel,megatron,zero3,solved": ARGS,        # 9 min
+    "python bench/step_decomposition.py --models cnn-16,cnn-64,cnnsync-16,gpt2-128,llama-128,cnn-28:8x32 "
+    "--plans data_parallel,megatron,zero3,solved --hardware bench/results/step_decomposition-profile.yaml": ARGS,  # 17 min
     "python bench/step_waits.py": ARGS,              # minutes: traced steps of 4 plans x 3 models on 4 ranks
     "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
     "python bench/activation_memory.py": ARGS,       # GPT-2 small blocks, timed steps: minutes

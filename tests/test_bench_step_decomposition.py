@@ -34,6 +34,18 @@ def test_parts_pair_each_modeled_term_with_its_measured_difference():
     assert p["loop step"] == (110.0, 121.0)
 
 
+def test_loop_turns_without_a_moment_of_every_rank_stepping_are_counted_not_timed():
+    nan = float("nan")
+    samples = {"plain": [[1.0]], sd.LOOPS[0]: [[nan, nan], [2.0, 2.0]], sd.LOOPS[1]: [[3.0, 3.0]]}
+    assert sd._drop_untimed_turns(samples, "m p") == {sd.LOOPS[0]: 1, sd.LOOPS[1]: 0}
+    assert samples[sd.LOOPS[0]] == [[2.0, 2.0]]
+    with pytest.raises(RuntimeError, match="m p: no 'loop' turn"):
+        sd._drop_untimed_turns({"plain": [[1.0]], sd.LOOPS[0]: [[nan, nan]], sd.LOOPS[1]: [[1.0, 1.0]]}, "m p")
+    results = [{"model": "cnn-12", "plan": "solved", "iters": 24, "untimed_loop_turns": {sd.LOOPS[1]: 3, sd.LOOPS[0]: 0}}]
+    assert sd._untimed_cell(results) == "Untimed loop turns (of 24): cnn-12 solved loop, local collectives 3. "
+    assert sd._untimed_cell([{**results[0], "untimed_loop_turns": {}}]) == ""
+
+
 @pytest.fixture
 def local_collectives():
     real = {name: getattr(dist, name) for name in sd.LocalCollectives.NAMES}
