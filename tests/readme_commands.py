@@ -86,6 +86,7 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models gpt2-64:8x32,cnn-12:8x32,llama-96:8x64,bert-80:8x64,cnn-28:8x32,mlp-288:8 --name plan_fidelity_watch": ARGS,  # ~27 min
     "python bench/plan_fidelity.py --models gpt2-64:8x32,cnn-12:8x32,llama-96:8x64,bert-80:8x64,cnn-28:8x32,mlp-288:8 --name plan_fidelity_busy": ARGS,  # ~29 min
     "python bench/plan_fidelity.py --models gpt2-96:8x64,llama-128:8x32,bert-128:8x32,cnn-20:16x32,mlp-224:16,cnnsync-16:8x32 --name plan_fidelity_busy2": ARGS,  # ~30 min
+    "python bench/plan_fidelity.py --models cnn-28:8x32,bert-80:8x64 --name plan_fidelity_rerun": ARGS,  # ~21 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks
