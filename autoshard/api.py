@@ -25,6 +25,7 @@ from .plans import Plan
 from .precision import MixedPrecision, cast_inputs, master_dtype_of, precision_copy
 from .plans.build import plan_from_solution
 from .progress import Progress
+from .solver.baselines import DATA_PARALLEL_MARGIN
 from .solver.costgraph_build import build_cost_graph
 from .solver.ilp import SolverOptions, solve
 from .units import format_bytes, parse_bytes
@@ -48,7 +49,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
          solver: str = "highs", time_limit: float = 60.0, gap_rel: float = DEFAULT_GAP, progress: bool = False,
          name: str | None = None, check_batch: bool = True, baseline: str | None = None,
          outputs: str = "global", batch_norm: str = "global", loss: str = "global", other_mode: bool = False,
-         mp_policy: Any = None) -> Plan:
+         mp_policy: Any = None, prefer_data_parallel_within: float = DATA_PARALLEL_MARGIN) -> Plan:
     """Plan sharding, recomputation and offloading of one training step of a model.
 
     ``model_or_graph``: an ``nn.Module`` (captured here on its example ``args``/``kwargs``; meta
@@ -66,6 +67,11 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
     optimum, the best plan of a hand-written family (``"data_parallel"``, ``"megatron"``,
     ``"zero3"``, ``"replicated"``: every rank the whole step, no collective; see
     :mod:`autoshard.solver.baselines`), memory decisions fixed to keep.
+    ``prefer_data_parallel_within``: with no ``baseline``, return the data-parallel plan (where it
+    fits the budget and no ZeRO-3 or replicated plan is modeled faster) unless the ILP's plan is
+    modeled faster by more than this fraction of its step (5% by default, :data:`~autoshard.solver.baselines.DATA_PARALLEL_MARGIN`: plans closer than that
+    are within the cost model's error; 0 returns the fastest as modeled); ``plan.solver.note`` says
+    when it did.
     ``outputs``: how :func:`autoshard.parallelize` returns the model's outputs: ``"global"``
     (every tensor output whole on every rank, gathered as the plan prices it) or ``"local"``
     (a tensor output of rank >= 1 as each rank's shard in the layout its producer has, with no
@@ -121,6 +127,9 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
                         hint="bytes of optimizer state per parameter element: 8 for AdamW in fp32, 0 for SGD")
     seconds = _number("time_limit", time_limit, hint="seconds the ILP may run, e.g. 60")
     gap = _number("gap_rel", gap_rel, zero=True, high=1.0, hint="a relative optimality gap in [0, 1), e.g. 0.01")
+    dp_margin = _number("prefer_data_parallel_within", prefer_data_parallel_within, zero=True, high=1.0,
+                        hint="a fraction of the data-parallel plan's step in [0, 1), e.g. 0.05; 0 takes the fastest "
+                             "plan as modeled")
     for label, flag in (("merge_followers", merge_followers), ("alias_blocks", alias_blocks),
                         ("progress", progress), ("check_batch", check_batch), ("other_mode", other_mode)):
         if not isinstance(flag, bool):
@@ -157,7 +166,7 @@ def plan(model_or_graph: "nn.Module | CapturedGraph", args: Any = (), kwargs: Ma
         from .solver.baselines import best_by_step_model, solve_baseline
 
         if baseline is None:
-            solution = best_by_step_model(cg, solve(cg, options), options)
+            solution = best_by_step_model(cg, solve(cg, options), options, dp_margin)
         else:
             solution = solve_baseline(cg, baseline, options).solution
     # build_s / solve_s: the ILP of the plan picked (the free ILP's, or the baseline family's that

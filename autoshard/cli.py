@@ -146,6 +146,7 @@ def _enumerate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Plan a model (with progress on stderr), print the explanation, optionally save the plan."""
     from .api import DEFAULT_GAP, plan
+    from .solver.baselines import DATA_PARALLEL_MARGIN
 
     _preflight(args)
     options = dict(mesh=args.mesh, hardware=args.hardware, memory_budget=args.budget,
@@ -154,7 +155,9 @@ def _plan(args: argparse.Namespace) -> int:
                    time_limit=args.time_limit, gap_rel=DEFAULT_GAP if args.gap is None else args.gap,
                    progress=True, name=args.model,
                    check_batch=not args.allow_indivisible_batch, outputs=args.outputs,
-                   batch_norm=args.batch_norm, loss=args.loss)
+                   batch_norm=args.batch_norm, loss=args.loss,
+                   prefer_data_parallel_within=(DATA_PARALLEL_MARGIN if args.prefer_data_parallel_within is None
+                                                else args.prefer_data_parallel_within))
     if args.mp is not None:      # plan() captures the model itself, with its parameters in the working dtype
         from .models import build_model
 
@@ -296,10 +299,10 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _gap(text: str) -> float:
+def _fraction(text: str) -> float:
     value = _float(text)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a relative gap in [0, 1), e.g. 0.01, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), e.g. 0.01, got {text}")
     return value
 
 
@@ -382,9 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer state bytes per parameter element (AdamW fp32: 8)")
     pl.add_argument("--solver", choices=["highs", "cbc"], default="highs", help="ILP solver (PuLP backend)")
     pl.add_argument("--time-limit", type=_seconds, default=60.0, help="ILP time limit in seconds")
-    pl.add_argument("--gap", type=_gap, default=None,
+    pl.add_argument("--gap", type=_fraction, default=None,
                     help="relative optimality gap the ILP may stop at (default: autoshard.api.DEFAULT_GAP, 2%%; "
                          "0 proves the optimum)")
+    pl.add_argument("--prefer-data-parallel-within", type=_fraction, default=None, metavar="FRACTION",
+                    help="keep the data-parallel plan (where no ZeRO-3 or replicated plan is modeled faster) unless "
+                         "the ILP's plan is modeled faster by more than this fraction of its step (default: autoshard.solver.baselines.DATA_PARALLEL_MARGIN, 5%%; 0 takes the "
+                         "fastest plan as modeled)")
     pl.add_argument("--no-alias", action="store_true", help="do not share decisions between identical blocks")
     pl.add_argument("--no-merge", action="store_true", help="do not merge followers into their producers")
     pl.add_argument("--fallback", choices=["error", "replicate"], default="error", help=_FALLBACK_HELP)

@@ -9,7 +9,7 @@ from autoshard.capture import capture
 from autoshard.enumerate import enumerate_strategies
 from autoshard.models import build_model
 from autoshard.solver import CostGraph, build_cost_graph
-from autoshard.solver.baselines import (BASELINES, data_parallel, input_nodes, megatron, parameter_nodes, restriction,
+from autoshard.solver.baselines import (BASELINES, DATA_PARALLEL_MARGIN, data_parallel, input_nodes, megatron, parameter_nodes, restriction,
                                         solve_baseline, zero3)
 from autoshard.solver.ilp import SolverOptions, objective_of, solve
 from autoshard.solver.tp_roles import COLUMN, ROW, linear_roles
@@ -289,9 +289,58 @@ def test_the_plan_picked_is_no_slower_than_any_baseline_under_the_step_model(har
     budget = plan.memory_budget
     cg = build_cost_graph(enumerate_strategies(graph, mesh_shape=MESH, hardware=hardware, outputs="local"))
     ilp = solve(cg, SolverOptions(memory_budget=budget))
-    for family in BASELINES:
-        best = solve_baseline(cg, family, SolverOptions(memory_budget=budget)).solution
-        assert plan.time["total"] <= best.time.total * (1 + 1e-9), family
-    assert plan.time["total"] <= ilp.time.total * (1 + 1e-9)
-    if plan.time["total"] < ilp.time.total * (1 - 1e-9):
-        assert plan.solver.note and "replaces the ILP's plan" in plan.solver.note
+    bests = {family: solve_baseline(cg, family, SolverOptions(memory_budget=budget)).solution.time.total
+             for family in BASELINES}
+    fastest = min(ilp.time.total, *bests.values())
+    if plan.solver.note and plan.solver.note.startswith("the data-parallel plan"):
+        # kept over a plan modeled faster by at most DATA_PARALLEL_MARGIN
+        assert plan.time["total"] == pytest.approx(bests["data_parallel"], rel=1e-9)
+        assert fastest < plan.time["total"] <= fastest * (1 + DATA_PARALLEL_MARGIN)
+    else:
+        assert plan.time["total"] <= fastest * (1 + 1e-9)
+        # data parallelism: the plan, modeled more than the margin slower, or slower than ZeRO-3 or replicated
+        dp = bests["data_parallel"]
+        assert (dp == pytest.approx(plan.time["total"], rel=1e-9) or dp > plan.time["total"] * (1 + DATA_PARALLEL_MARGIN)
+                or min(bests["zero3"], bests["replicated"]) < dp)
+    if plan.time["total"] != pytest.approx(ilp.time.total, rel=1e-9):
+        assert plan.solver.note and "replaces the" in plan.solver.note
+
+
+def _fidelity_plan(key: str, run: str, **options):
+    """``key``'s plan as bench/plan_fidelity.py makes it, under the profile its run ``run`` measured."""
+    import sys
+    from pathlib import Path
+
+    import autoshard
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    import plan_fidelity as pf
+
+    graph_, _ = pf.capture(key)
+    profile = str(bench / "results" / f"{run}-profile.yaml")
+    return autoshard.plan(graph_, mesh=pf.MESH, hardware=profile, outputs=pf.OUTPUTS, **pf.function_options(key),
+                          **options)
+
+
+def test_the_data_parallel_plan_is_kept_over_a_plan_modeled_only_a_few_percent_faster():
+    """cnn-28 at batch 8 x 32 x 32 under the profile of its fidelity re-run: the ILP's plan (the first
+    conv's channels over axis 0, the batch over axis 1) is modeled 1.5% faster than data parallelism
+    and ran 1.15x slower; autoshard.plan keeps data parallelism and says why. With the margin 0 it
+    returns the ILP's plan."""
+    kept = _fidelity_plan("cnn-28:8x32", "plan_fidelity_rerun")
+    assert kept.solver.note.startswith("the data-parallel plan") and "5% faster" in kept.solver.note
+    assert [(c.kind, c.axes, c.phase) for c in kept.comm] == [("all_reduce", [0, 1], "bwd")]   # gradient sync only
+    fastest = _fidelity_plan("cnn-28:8x32", "plan_fidelity_rerun", prefer_data_parallel_within=0.0)
+    assert fastest.time["total"] < kept.time["total"] <= fastest.time["total"] * (1 + DATA_PARALLEL_MARGIN)
+    assert ("all_reduce", [0], "fwd") in [(c.kind, c.axes, c.phase) for c in fastest.comm]   # the partial sums
+    assert not (fastest.solver.note or "").startswith("the data-parallel plan")
+
+
+def test_a_plan_modeled_well_ahead_of_data_parallelism_is_not_replaced():
+    """mlp-288 at batch 8 under the profile of its fidelity run: the solved plan is modeled 2.2x
+    faster than data parallelism (measured 2.0x); the margin leaves it."""
+    plan = _fidelity_plan("mlp-288:8", "plan_fidelity_busy")
+    dp = _fidelity_plan("mlp-288:8", "plan_fidelity_busy", baseline="data_parallel")
+    assert plan.time["total"] * (1 + DATA_PARALLEL_MARGIN) < dp.time["total"]
+    assert not (plan.solver.note or "").startswith("the data-parallel plan")
