@@ -107,12 +107,17 @@ def run_on_ranks(script: str, args: Sequence[str], ranks: int, root: Path) -> ob
         return json.loads(out.read_text())
 
 
-def rank_bench_parser(description: str, models: str, profile: "Path | str") -> argparse.ArgumentParser:
+def rank_bench_parser(description: str, models: str, profile: "Path | str",
+                      plans: str | None = None) -> argparse.ArgumentParser:
     """The options every bench that re-launches itself on ranks under a profile takes: ``--models``,
-    ``--hardware`` and the worker's own ``--worker`` and ``--out``."""
+    ``--hardware`` and the worker's own ``--worker`` and ``--out``; with ``plans``, ``--plans`` (its
+    default) for a bench that runs named plans (``step_decomposition.named_plan``)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--models", default=models, help="comma-separated plan_fidelity model keys")
     ap.add_argument("--hardware", default=str(profile), help="profile to plan and price under")
+    if plans is not None:
+        ap.add_argument("--plans", default=plans, help="comma-separated baselines, 'solved', and saved plans "
+                        "(*.json, Plan.save, made for the model and mesh)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap

@@ -221,9 +221,10 @@ HEADER = ["model", "mesh", "hardware", "budget/device", "autoshard ms (decisions
 NOTE = """Step times are the cost model's (seconds per training step, fp32 model: compute (the profile's
 measured curves, else its roofline), inline collectives, resharding, the part of bucketed gradient
 sync backward does not hide, and the optimizer step). autoshard's plan is the one `autoshard.plan`
-returns: the ILP's, or the best data-parallel, ZeRO-3 or replicated plan where the exact step schedule models that
-one faster ({picked} of {cases} cases here; the alias gap and the objective check use the ILP's
-own solution). autoshard may recompute/offload/partition (decisions: K keep, R
+returns: the ILP's, the best data-parallel, ZeRO-3 or replicated plan where the exact step schedule models that
+one faster, or the data-parallel plan where the ILP's is modeled less than 5% faster and no other
+family faster ({picked} of {cases} cases here, {kept} of them that last; the alias gap and the objective
+check use the ILP's own solution). autoshard may recompute/offload/partition (decisions: K keep, R
 recompute, O offload, P partitioned, S selective; one per transformer block); baselines are restrictions of the
 same cost graph (parameter and input layouts fixed, all other nodes free) solved by the same ILP
 with every block kept, so each is the best plan of its family under the same model. The tight
@@ -261,7 +262,8 @@ def comm_note(records: list[dict]) -> str:
 
 def markdown_note(records: list[dict], notes: list[str], failures: list[str]) -> str:
     picked = sum(r["picked"] != "the ILP's plan" for r in records)
-    text = NOTE.format(comm_note=comm_note(records), picked=picked, cases=len(records))
+    kept = sum(r["picked"].startswith("the data-parallel plan") for r in records)
+    text = NOTE.format(comm_note=comm_note(records), picked=picked, kept=kept, cases=len(records))
     if notes:
         text += "\n\nBaseline notes:\n" + "\n".join(f"- {n}" for n in notes)
     if failures:

@@ -2,7 +2,8 @@
 
 The plan fidelity bench compares whole steps; this one takes autoshard plans apart (by default the
 data-parallel plan, the one the solver picks on most models of that bench; ``--plans`` takes any
-baselines, ``solved`` and saved plans, ``*.json``), on 4 gloo ranks (2x2 mesh), under a measured profile (by default the one
+baselines, ``solved`` and saved plans, ``*.json``, whose model is their ``plan.time``: the profile they
+were made under), on 4 gloo ranks (2x2 mesh), under a measured profile (by default the one
 the last fidelity run measured). Per model and plan, five configurations run interleaved (the order
 rotates every iteration):
 
@@ -194,6 +195,19 @@ def _bucket_copy_seconds(pm, hw) -> float:
     return sum(2.0 * hw.copy_seconds(b.nbytes, str(b.dtype)) for b in pm.grad_buckets)
 
 
+def named_plan(graph, key: str, name: str, rank: int, hw_path: str):
+    """Plan ``name`` of model ``key`` on every rank: a baseline or ``solved`` (solved by rank 0 under
+    ``hw_path``, as the fidelity bench makes it), or a saved plan (``*.json``, ``Plan.save``, made for
+    this model and mesh)."""
+    if name.endswith(".json"):
+        from autoshard.plans import Plan
+
+        return Plan.load(name, graph)
+    plan, _ = plan_on_rank0(graph, None, MESH, None if name == "solved" else name, rank, OUTPUTS, hw_path, name=key,
+                            **function_options(key))
+    return plan
+
+
 def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: int, mesh,
                   local: LocalCollectives) -> dict:
     import torch.distributed as dist
@@ -204,12 +218,7 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
     rank = dist.get_rank()
     model, kwargs = build(key)
     graph = capture_meta(model, (), kwargs, name=key)
-    if plan_name.endswith(".json"):     # a saved plan (``Plan.save``), made for this model and mesh
-        from autoshard.plans import Plan
-        plan = Plan.load(plan_name, graph)
-    else:
-        plan, _ = plan_on_rank0(graph, None, MESH, None if plan_name == "solved" else plan_name, rank, OUTPUTS,
-                                hw_path, name=key, **function_options(key))
+    plan = named_plan(graph, key, plan_name, rank, hw_path)
     pm = autoshard.parallelize(model, plan, mesh, graph=graph)
     plain, _ = build(key)
     runs: dict[str, tuple[torch.nn.Module, dict, torch.optim.Optimizer]] = {
@@ -346,9 +355,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> None
 
 
 def main() -> int:
-    ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE)
-    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated baselines, 'solved', and saved plans (*.json, "
-                    "Plan.save, made for the model; priced by the profile they were made under)")
+    ap = rank_bench_parser(__doc__.split("\n\n")[0], DEFAULT_MODELS, DEFAULT_PROFILE, DEFAULT_PLANS)
     ap.add_argument("--iters", type=int, default=24, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per configuration")
     args = ap.parse_args()

@@ -87,6 +87,9 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models gpt2-64:8x32,cnn-12:8x32,llama-96:8x64,bert-80:8x64,cnn-28:8x32,mlp-288:8 --name plan_fidelity_busy": ARGS,  # ~29 min
     "python bench/plan_fidelity.py --models gpt2-96:8x64,llama-128:8x32,bert-128:8x32,cnn-20:16x32,mlp-224:16,cnnsync-16:8x32 --name plan_fidelity_busy2": ARGS,  # ~30 min
     "python bench/plan_fidelity.py --models cnn-28:8x32,bert-80:8x64 --name plan_fidelity_rerun": ARGS,  # ~21 min
+    "python bench/plan_fidelity.py --models cnn-28:8x32 --name plan_fidelity_evening": ARGS,  # ~18 min
+    "python bench/plan_fidelity.py --models cnn-28:8x32,cnn-24:8x32,cnn-36:8x32,gpt2-112:8x32,llama-72:8x64,bert-96:8x32 "
+    "--name plan_fidelity_margin": ARGS,  # ~33 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks
@@ -98,6 +101,8 @@ COMMANDS: dict[str, str] = {
     "python bench/step_decomposition.py --models cnn-16,cnn-64,cnnsync-16,gpt2-128,llama-128,cnn-28:8x32 "
     "--plans data_parallel,megatron,zero3,solved --hardware bench/results/step_decomposition-profile.yaml": ARGS,  # 17 min
     "python bench/step_waits.py": ARGS,              # minutes: traced steps of 4 plans x 3 models on 4 ranks
+    "python bench/collective_waits.py --models cnn-28:8x32 --plans data_parallel,bench/results/cnn-28-channel-split-plan.json,"
+    "megatron,zero3 --hardware bench/results/plan_fidelity_margin-profile.yaml --rounds 40": ARGS,   # 0.4 min on 4 ranks
     "python bench/autochunk.py": ARGS,               # about a minute of timed runs (7 per configuration)
     "python bench/activation_memory.py": ARGS,       # GPT-2 small blocks, timed steps: minutes
     "python bench/param_offload.py": ARGS,           # timed training steps
