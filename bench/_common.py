@@ -52,15 +52,19 @@ def same_plan(plans: dict, plan) -> str | None:
 
 
 def work_or_launch(args: argparse.Namespace, script: str, forward: Sequence[str], worker, report, ranks: int,
-                   root: Path) -> int:
+                   root: Path, measured_profile: bool = False) -> int:
     """The end of a torchrun benchmark's ``main``: on a rank (``--worker``), ``worker(args)``; else launch
     ``script`` on ``ranks`` local ranks with the options named in ``forward`` (argparse names, passed on
-    as ``--name-with-dashes VALUE``) and ``report(args, results, wall_s)`` with what rank 0 wrote."""
+    as ``--name-with-dashes VALUE``) and ``report(args, results, wall_s)`` with what rank 0 wrote.
+    ``measured_profile``: ``args.hardware`` must be a profile file already there (one a bench measured),
+    checked before the launch."""
     import time
 
     if args.worker:
         worker(args)
         return 0
+    if measured_profile:
+        require_profile(args.hardware)
     start = time.perf_counter()
     passed = [item for name in forward for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     report(args, run_on_ranks(script, passed, ranks, root), time.perf_counter() - start)

@@ -38,7 +38,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, init_gloo_ranks, rank_bench_parser, work_or_launch, write  # noqa: E402
 from plan_fidelity import MESH, WORLD, LossView, build  # noqa: E402
 from runtime_speed import Config  # noqa: E402
 from step_decomposition import named_plan  # noqa: E402
@@ -243,16 +243,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 1 or args.rounds < 1:
         raise SystemExit("--steps and --rounds must be at least 1")
-    if args.worker:
-        worker(args)
-        return 0
-    require_profile(args.hardware)
-    start = time.perf_counter()
-    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--plans", args.plans,
-                                      "--rounds", str(args.rounds), "--steps", str(args.steps),
-                                      "--warmup", str(args.warmup)], WORLD, ROOT)
-    report(args, results, time.perf_counter() - start)
-    return 0
+    return work_or_launch(args, __file__, ("hardware", "models", "plans", "rounds", "steps", "warmup"), worker, report,
+                          WORLD, ROOT, measured_profile=True)
 
 
 if __name__ == "__main__":

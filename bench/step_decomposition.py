@@ -62,7 +62,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, init_gloo_ranks, rank_bench_parser, work_or_launch, write  # noqa: E402
 from plan_fidelity import (MESH, OUTPUTS, WORLD, LossView, _local, build, function_options,  # noqa: E402
                            model_spec)
 from runtime_speed import _gathered, busy_step, plan_on_rank0  # noqa: E402
@@ -253,7 +253,8 @@ def measure_model(key: str, plan_name: str, hw_path: str, iters: int, warmup: in
     copies = _bucket_copy_seconds(pm, hw) * 1e3
     measured = {name: {"mean": dict(zip(PHASES, v[:3])), "slowest": dict(zip(PHASES, v[3:]))}
                 for name, v in med.items() if name in CONFIGS}
-    measured.update({name: {"mean": med[name][0], "slowest": med[name][1]} for name in LOOPS})
+    # a loop's value is the busy-window step (runtime_speed.busy_step): one figure, the same on every rank
+    measured.update({name: med[name][0] for name in LOOPS})
     return {"model": key, "plan": plan_name, "spec": model_spec(key), "iters": iters, "collective_kinds": kinds,
             "modeled_ms": {**t, "bucket_copies": copies}, "measured_ms": measured,
             "untimed_loop_turns": untimed}
@@ -299,10 +300,10 @@ def parts(r: dict) -> dict[str, tuple[float, float]]:
         "optimizer": (m["optimizer"], live["mean"]["opt"]),
         "step": (m["total"], fb(live["slowest"]) + live["mean"]["opt"]),
         "loop without collectives": (m["compute"] + m["optimizer"] + m["bucket_copies"],
-                                     meas["loop, local collectives"]["slowest"]),
+                                     meas["loop, local collectives"]),
         "loop collectives": (m["comm"] + m["reshard"] + m["grad_sync"] + m["sync_wait"] - m["bucket_copies"],
-                             meas["loop"]["slowest"] - meas["loop, local collectives"]["slowest"]),
-        "loop step": (m["total"], meas["loop"]["slowest"]),
+                             meas["loop"] - meas["loop, local collectives"]),
+        "loop step": (m["total"], meas["loop"]),
     }
 
 
@@ -359,16 +360,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=24, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per configuration")
     args = ap.parse_args()
-    if args.worker:
-        worker(args)
-        return 0
-    require_profile(args.hardware)
-    start = time.perf_counter()
-    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--plans", args.plans,
-                                      "--iters", str(args.iters),
-                                      "--warmup", str(args.warmup)], WORLD, ROOT)
-    report(args, results, time.perf_counter() - start)
-    return 0
+    return work_or_launch(args, __file__, ("hardware", "models", "plans", "iters", "warmup"), worker, report, WORLD, ROOT,
+                          measured_profile=True)
 
 
 if __name__ == "__main__":

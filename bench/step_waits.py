@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, init_gloo_ranks, rank_bench_parser, require_profile, run_on_ranks, write  # noqa: E402
+from _common import RESULTS, init_gloo_ranks, rank_bench_parser, work_or_launch, write  # noqa: E402
 from plan_fidelity import MESH, OUTPUTS, WORLD, LossView, build, function_options  # noqa: E402
 from runtime_speed import Config, plan_on_rank0  # noqa: E402
 
@@ -161,15 +161,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: a step's period ends at the next step's start")
-    if args.worker:
-        worker(args)
-        return 0
-    require_profile(args.hardware)
-    start = time.perf_counter()
-    results = run_on_ranks(__file__, ["--hardware", args.hardware, "--models", args.models, "--plans", args.plans,
-                                      "--steps", str(args.steps), "--warmup", str(args.warmup)], WORLD, ROOT)
-    report(args, results, time.perf_counter() - start)
-    return 0
+    return work_or_launch(args, __file__, ("hardware", "models", "plans", "steps", "warmup"), worker, report, WORLD, ROOT,
+                          measured_profile=True)
 
 
 if __name__ == "__main__":
