@@ -90,6 +90,10 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_fidelity.py --models cnn-28:8x32 --name plan_fidelity_evening": ARGS,  # ~18 min
     "python bench/plan_fidelity.py --models cnn-28:8x32,cnn-24:8x32,cnn-36:8x32,gpt2-112:8x32,llama-72:8x64,bert-96:8x32 "
     "--name plan_fidelity_margin": ARGS,  # ~33 min
+    "python bench/plan_fidelity.py --models bert-80:8x64,gpt2-96:8x64,bert-128:8x32,llama-48:8x64,cnn-20:8x32 "
+    "--name plan_fidelity_misses": ARGS,  # ~32 min
+    "python bench/plan_fidelity.py --models bert-80:8x64,gpt2-96:8x64,bert-128:8x32,llama-48:8x64,cnn-20:8x32 "
+    "--name plan_fidelity_loadcheck": ARGS,  # ~32 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks

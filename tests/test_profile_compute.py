@@ -159,3 +159,36 @@ def test_drift_scales_each_family_by_its_own_ratio_or_its_proxys():
     assert now.compute["bfloat16"] == hw.compute["bfloat16"]                        # another dtype
     assert now.optimizer_seconds(10, 1e6) == pytest.approx(0.5 * hw.optimizer_seconds(10, 1e6))
     assert now.axes == hw.axes and now.world == hw.world
+
+
+def test_a_curve_timed_while_the_machine_was_loaded_is_timed_again_and_keeps_the_faster_times(monkeypatch):
+    """After every curve each middle point is timed once more; a curve whose point now takes 15%+
+    less (the machine was loaded while it was timed) is timed again whole and keeps, per size, the
+    faster forward and backward; a point that rechecks slower (the load is now) leaves its curve."""
+    families = {"matmul": ((1, 2, 3), None), "pointwise": ((1, 2, 3), None), "norm": ((1, 2, 3), None)}
+    first = {"matmul": 2.0, "pointwise": 1.0, "norm": 1.0}       # matmul's curve timed under a load
+    recheck = {"matmul": 1.0, "pointwise": 0.9, "norm": 1.5}     # pointwise: within noise; norm: loaded now
+    calls: list = []
+
+    def fake_time_family(family, builders, sizes, dtype, device, iters):
+        calls.append((family, tuple(sizes)))
+        timed = sum(1 for f, _ in calls if f == family)
+        scale = first[family] if timed == 1 else recheck[family] if timed == 2 else 1.1
+        return [(float(s), scale * s, 2 * scale * s * (0.5 if timed == 3 and s == 3 else 1.0)) for s in sizes]
+
+    monkeypatch.setattr(compute, "COMPUTE_OPS", families)
+    monkeypatch.setattr(compute, "_time_family", fake_time_family)
+    monkeypatch.setattr(compute, "_max_over_ranks", lambda values, device: values)
+    out = compute._measure_compute(torch.device("cpu"), iters=3, points=None)
+    assert [c for c in calls if c[0] == "matmul"] == [("matmul", (1, 2, 3)), ("matmul", (2,)), ("matmul", (1, 2, 3))]
+    assert len([c for c in calls if c[0] != "matmul"]) == 4          # pointwise and norm: curve and recheck only
+    assert out["float32.matmul.fwd"] == [1.1, 2.2, pytest.approx(3.3)]   # the second timing, faster everywhere
+    assert out["float32.matmul.bwd"] == [2.2, 4.4, pytest.approx(3.3)]
+    assert out["float32.pointwise.fwd"] == [1.0, 2.0, 3.0] and out["float32.norm.fwd"] == [1.0, 2.0, 3.0]
+    assert out[f"float32.{compute.REMEASURED}"] == [1.0, 0.0, 0.0]
+
+
+def test_faster_rows_refuses_timings_of_different_work():
+    assert compute.faster_rows([(1.0, 2.0, 3.0)], [(1.0, 1.5, 4.0)]) == [(1.0, 1.5, 3.0)]
+    with pytest.raises(compute.ProfileError, match="differ in work"):
+        compute.faster_rows([(1.0, 2.0, 3.0)], [(2.0, 1.5, 4.0)])

@@ -18,7 +18,7 @@ from ..progress import Progress
 from ..units import format_bytes
 from .collectives import _ISSUED_RUN_S, MEASURED_KINDS, SYNC_WAIT_SLICES, _measure_overlap, _measure_sync_wait, _time_collective
 from .compute import (_CHAIN_S, _COPY_BYTES, _MAX_CHAIN, _MAX_COLD_CHAIN, _MAX_COLD_CHAIN_S, CHECKPOINT_CHAINS,
-                      COMPUTE_OPS, _compute_curve,
+                      COMPUTE_OPS, RECHECK_FASTER, REMEASURED, _compute_curve,
                       _compute_sizes, _measure_checkpoint, _measure_compute, _measure_local, _measure_optimizer,
                       optimizer_params)
 from .fitting import fit_alpha_beta, fit_checkpoint, fit_optimizer, fit_sync_wait, overlap_fraction
@@ -178,6 +178,8 @@ def _measure(mesh: MeshSpec, name: str, sizes: list[int], iters: int, warmup: in
                             "compute_sizes": {f: [list(s) if isinstance(s, tuple) else s
                                                   for s in _compute_sizes(f, device, compute_points)]
                                               for f in COMPUTE_OPS},
+                            "compute_remeasured": {dname: [f for f, again in zip(COMPUTE_OPS, agreed[f"{dname}.{REMEASURED}"])
+                                                           if again] for dname in _dtypes(device)},
                             "optimizer_params": [list(p) for p in optimizer_params(device)],
                             "optimizer_seconds": agreed["optimizer.seconds"],
                             "checkpoint_saved_tensors": agreed["checkpoint.saved"],
@@ -249,7 +251,10 @@ def _describe(mesh: MeshSpec, device: torch.device, sizes: list[int], iters: int
         f"(per-op time = chain time / length; the forward over up to {_MAX_COLD_CHAIN}, every output held, "
         f"until it writes twice the last-level cache or takes {_MAX_COLD_CHAIN_S:g} s with its backward), "
         f"median of up to {compute_iters} barrier-synchronised "
-        f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes.",
+        f"runs, all ranks at once, max over ranks; sizes in extra.measured.compute_sizes. Each curve's "
+        f"middle point timed again after all curves; a curve whose point then took {100 * RECHECK_FASTER:.0f}% "
+        f"less was measured while the machine was loaded, timed again whole, and keeps the faster of its two "
+        f"times per size (families in extra.measured.compute_remeasured).",
         "Optimizer: torch.optim.AdamW step (default implementation) over the parameter lists in "
         "extra.measured.optimizer_params (tensors, elements; float32), fitted to n*per_tensor + "
         "bytes*per_byte. Checkpoint: chains of (linear, tanh) pairs in one torch.utils.checkpoint region "
