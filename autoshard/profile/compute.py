@@ -386,6 +386,10 @@ RECHECK_FASTER = 0.15
 curve, takes this much less time than it did in the curve (see :func:`_measure_compute`)."""
 
 
+REMEASURED = "remeasured"
+"""Key of :func:`_measure_compute`'s flags (1.0 per family of :data:`COMPUTE_OPS` timed twice) per dtype."""
+
+
 def measured_under_load(curve_s: float, recheck_s: float) -> bool:
     """Whether a curve's point of ``curve_s`` seconds, timed again at ``recheck_s``, was measured
     while something else slowed the machine: the recheck is :data:`RECHECK_FASTER` faster. Another
@@ -410,9 +414,9 @@ def _measure_compute(device: torch.device, iters: int, points: int | None,
     After every family's curve, each curve's middle point is timed once more; a curve whose point
     measures :func:`measured_under_load` then is timed again whole and keeps, per size, the faster
     of its two timings (:func:`faster_rows`). On a shared VM another tenant's load comes and goes
-    within minutes: one profile's matmul curve, timed in such a minute, came out 1.3-2.4x the
-    times the same ops took right after the profile (4 CPU ranks on 2 cores), and every plan was
-    modeled 15-60% slow. The decision is taken on the slowest rank's times, the same on every rank."""
+    within minutes: one profile's matmul curve, timed in such a minute, came out 1.15-2.4x the
+    times the same ops took right after the profile (4 CPU ranks on 2 cores), and a BERT's plans
+    were modeled 14-61% above their steps. The decision is taken on the slowest rank's times, the same on every rank."""
     out: dict[str, list[float]] = {}
     progress = progress or Progress(False)
     for dname, dtype in _dtypes(device).items():
@@ -434,10 +438,6 @@ def _measure_compute(device: torch.device, iters: int, points: int | None,
                 out[f"{dname}.{family}.{field}"] = [r[j] for r in rows]
         out[f"{dname}.{REMEASURED}"] = [float(family in loaded) for family in curves]
     return out
-
-
-REMEASURED = "remeasured"
-"""Key of :func:`_measure_compute`'s flags (1.0 per family of :data:`COMPUTE_OPS` timed twice) per dtype."""
 
 
 def _families_measured_under_load(curves: Mapping[str, Sequence[tuple[float, float, float]]], dtype: torch.dtype,
