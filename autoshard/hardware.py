@@ -28,7 +28,10 @@ costs per byte are 10x apart on a CPU; other transcendental functions go by the 
 training batch norm with statistics synchronised over devices, its local compute), ``max_pool`` and ``avg_pool`` (windowed
 pools: 40x and 15x an add per byte on a CPU), ``loss`` and ``copy_blocks`` (a copy in runs of
 :data:`COPY_RUN` elements: what laying a shard out along an inner dim costs, see
-:meth:`HardwareProfile.copy_seconds`). Both curves are indexed by the forward
+:meth:`HardwareProfile.copy_seconds`), and ``view`` (an op that moves no data, a transpose or a
+reshape, timed for what dispatching it and its backward's autograd node cost: 4 CPU ranks on 2 cores,
+7 us forward and 11-13 backward, and a narrow Llama's graph has a view for every 1.5 other ops; see
+:meth:`HardwareProfile.view_seconds`). Both curves are indexed by the forward
 work; ``bwd`` is the time of the op's backward (the gradients of all its float inputs). :meth:`HardwareProfile.op_seconds`
 interpolates them piecewise-linearly in log(work)-log(time); below the smallest measured work it
 keeps the smallest point's time (the per-op floor: dispatch overhead), above the largest it scales
@@ -186,7 +189,7 @@ COMPUTE_FAMILIES: Mapping[str, str] = {
     "pointwise": "bytes", "transcendental": "bytes",
     **{name: "bytes" for name in ELEMENTWISE_FUNCTIONS},
     "norm": "bytes", "batch_norm": "bytes", "sync_batch_norm": "bytes", "max_pool": "bytes", "avg_pool": "bytes",
-    "loss": "bytes", "copy_blocks": "bytes"}
+    "loss": "bytes", "copy_blocks": "bytes", "view": "bytes"}
 """Op families with measured compute curves, and the unit of their work."""
 
 PHASES = (Phase.FWD, Phase.BWD)
@@ -315,14 +318,33 @@ class HardwareProfile:
 
     def dispatch_seconds(self) -> float:
         """Seconds of an op that moves no data (a split the runtime takes as a view, along a dim
-        nothing is outside of) on ranks whose ops run on the host (CPU ranks): the smallest measured
-        time of a ``pointwise`` curve (float32's where measured), what any op costs to dispatch
-        whatever its dtype; 0 without a measurement. 0 on devices with memory of their own (GPUs): a
-        view launches no kernel, and the host dispatches it while the device works through its queue."""
-        if self.device_memory_separate:
-            return 0.0
-        curves = [c["pointwise"] for c in (self.compute.get("float32", {}), *self.compute.values()) if "pointwise" in c]
-        return curves[0].fwd[0] if curves else 0.0
+        nothing is outside of) on ranks whose ops run on the host (CPU ranks): a view's forward
+        (:meth:`view_seconds`), or in a profile measured before views were, the smallest time of a
+        ``pointwise`` curve (an op that moves a few bytes; float32's where measured): what any op
+        costs to dispatch whatever its dtype; 0 without a measurement. 0 on devices with memory of
+        their own (GPUs): a view launches no kernel, and the host dispatches it while the device
+        works through its queue."""
+        view = self.view_seconds(Phase.FWD)
+        if view is not None:
+            return view
+        pointwise = self._floor("pointwise", Phase.FWD)
+        return 0.0 if pointwise is None or self.device_memory_separate else pointwise
+
+    def view_seconds(self, phase: Phase) -> float | None:
+        """Seconds of ``phase`` of a view op (a transpose, a reshape that copies nothing: its dispatch,
+        and in backward its autograd node's) on ranks whose ops run on the host: the smallest time of
+        the ``view`` curve (float32's where measured; a view's time does not depend on its dtype or
+        size); 0 on devices with memory of their own (see :meth:`dispatch_seconds`); None where the
+        profile has no ``view`` curve."""
+        floor = self._floor("view", phase)
+        return None if floor is None else 0.0 if self.device_memory_separate else floor
+
+    def _floor(self, family: str, phase: Phase) -> float | None:
+        """The smallest point of ``family``'s curve (float32's where measured, else any dtype's)."""
+        curves = [c[family] for c in (self.compute.get("float32", {}), *self.compute.values()) if family in c]
+        if not curves:
+            return None
+        return (curves[0].fwd if phase == Phase.FWD else curves[0].bwd)[0]
 
     def copy_pricing_key(self, dtype: str | None) -> tuple:
         """Everything :meth:`copy_seconds` (for ``dtype``) and :meth:`dispatch_seconds` read (a cache

@@ -374,15 +374,24 @@ def compute_seconds(op: "OpInfo", hw: "HardwareProfile", family: str | None, pha
     ``max(flops / peak FLOP/s, bytes / memory bandwidth)``, backward bytes counted once per operand
     that needs a gradient.
 
-    A free op (a view) costs nothing, except the backward of a view whose gradient autograd builds
-    whole (``op.grad_copies``: split's is a cat, slice's zeros plus a copy, expand's a sum), priced
-    as the forward of a memory-bound op over the view's input and output bytes.
+    A free op (a view) moves no data: an aten op costs its dispatch, and in backward (where it has
+    a float output and an operand that needs a gradient) its autograd node's, both as the profile's
+    ``view`` curve measured them (:meth:`~autoshard.hardware.HardwareProfile.view_seconds`; 0 on
+    GPUs and in profiles without that curve); a getitem of a multi-output node dispatches nothing.
+    The backward of a view whose gradient autograd builds whole (``op.grad_copies``: split's is a
+    cat, slice's zeros plus a copy, expand's a sum) is priced as the forward of a memory-bound op
+    over the view's input and output bytes.
     """
     from .hardware import COMPUTE_FAMILIES
 
     if op.free:
-        if phase == FWD or not op.grad_copies or op.n_grad_operands == 0:
+        if not isinstance(op.target, torch._ops.OpOverload):
             return 0.0
+        has_backward = op.n_grad_operands > 0 and any(m is not None and m.dtype.is_floating_point for m in op.outputs)
+        if phase == BWD and not has_backward:
+            return 0.0
+        if phase == FWD or not op.grad_copies:
+            return hw.view_seconds(phase) or 0.0
         phase = FWD       # one memory-bound pass over the bytes, as a pointwise op's forward
     for curve in _CURVES_OF_FAMILY.get(family, ("pointwise",)) if family is not None else ():
         by_flops = COMPUTE_FAMILIES[curve] == "FLOPs"

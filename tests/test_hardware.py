@@ -3,6 +3,7 @@ the fits of `autoshard profile`, and the cost model's compute time from a profil
 import dataclasses
 import json
 import math
+import operator
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from autoshard.handlers import handler_for
 from autoshard.hardware import (COMPUTE_FAMILIES, CONFIG_DIR, ELEMENTWISE_FUNCTIONS, FEW_ROWS, ComputeCurve, HardwareError,
                                 HardwareProfile, OptimizerModel, load_hardware)
 from autoshard.mesh import MeshSpec
+from autoshard.phases import Phase
 from autoshard.profile import COMPUTE_OPS, ProfileError, fit_alpha_beta, fit_optimizer, op_work, overlap_fraction
 from autoshard.profile.fitting import fit_checkpoint
 
@@ -291,7 +293,7 @@ def test_overlap_fraction():
 # -- the cost model prices compute from the curves --------------------------------------------------
 FEW_ROWS_FAMILIES = {f"matmul_rows{r}" for r in FEW_ROWS}
 # added after the shipped H100 profiles were measured (the shipped cpu-gloo profile has them)
-LATER_FAMILIES = {"conv_unaligned", *FEW_ROWS_FAMILIES, "copy_blocks", "attention_narrow"}
+LATER_FAMILIES = {"conv_unaligned", *FEW_ROWS_FAMILIES, "copy_blocks", "attention_narrow", "view"}
 RATE = {f: (1 + i) * 1e-12 for i, f in enumerate(COMPUTE_FAMILIES)}   # seconds per unit of work, forward
 RATE["pointwise"] = 1e-15     # a memory pass far cheaper than any FLOPs curve: no matmul here is bound by it
 BWD_RATE = {f: 3 * r for f, r in RATE.items()}
@@ -322,7 +324,7 @@ def _compute_node(fn, args):
     return graph, nodes[0]
 
 
-@pytest.mark.parametrize("family", [f for f in COMPUTE_OPS if f not in ("sync_batch_norm", "copy_blocks")])  # own tests
+@pytest.mark.parametrize("family", [f for f in COMPUTE_OPS if f not in ("sync_batch_norm", "copy_blocks", "view")])  # own tests
 def test_profiled_work_is_the_work_the_cost_model_prices(family):
     """What `autoshard profile` times an op at is what the cost model looks the op up at: FLOPs as
     opinfo counts them, or the bytes of the captured node's operands and outputs. (The functions whose
@@ -336,6 +338,39 @@ def test_profiled_work_is_the_work_the_cost_model_prices(family):
         (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
         assert strategy.compute_fwd == pytest.approx(RATE[family] * op_work(family, op), rel=1e-9)
         assert strategy.compute_bwd == pytest.approx(BWD_RATE[family] * op_work(family, op), rel=1e-9)
+
+
+def _free_nodes(fn, x):
+    graph = capture(_Call(fn), (x,))
+    return graph, [n for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def test_a_view_costs_its_measured_dispatch_on_cpu_ranks():
+    """A view (free: it moves no data) costs the ``view`` curve's smallest point forward and backward
+    on ranks whose ops run on the host, whatever its size; nothing on a GPU, in a profile that never
+    timed views, or in backward where no gradient flows through it. A getitem dispatches no op."""
+    fwd, bwd = 7e-6, 9e-6
+    curves = {"view": {"work": [8e3, 8e6], "fwd": [fwd, 1.1 * fwd], "bwd": [bwd, 1.2 * bwd]}}
+    cpu = measured(compute={"float32": curves}, device_memory_separate=False)
+    assert cpu.view_seconds(Phase.FWD) == fwd and cpu.view_seconds(Phase.BWD) == bwd
+    assert cpu.dispatch_seconds() == fwd                  # a split the runtime takes as a view: the same op
+
+    def priced(hw, x):
+        graph, (node,) = _free_nodes(lambda t: t.transpose(0, 1), x)
+        (strategy,) = node_strategies(graph, node, MeshSpec((1, 1)), hw).strategies
+        return strategy.compute_fwd, strategy.compute_bwd
+
+    big = torch.randn(512, 1024, requires_grad=True)
+    assert priced(cpu, big) == (fwd, bwd)
+    assert priced(cpu, torch.randn(4, 8, requires_grad=True)) == (fwd, bwd)
+    assert priced(cpu, torch.randn(4, 8)) == (fwd, 0.0)                       # no gradient through it
+    assert priced(dataclasses.replace(cpu, device_memory_separate=True), big) == (0.0, 0.0)   # a GPU queues ops
+    assert priced(measured(device_memory_separate=False), big) == (0.0, 0.0)  # views never timed
+
+    graph, nodes = _free_nodes(lambda t: t.chunk(2)[0], big)
+    getitem = next(n for n in nodes if n.target is operator.getitem)
+    (strategy,) = node_strategies(graph, getitem, MeshSpec((1, 1)), cpu).strategies
+    assert (strategy.compute_fwd, strategy.compute_bwd) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("head_dim", [8, 12, 16, 32, 64])
@@ -632,12 +667,13 @@ def test_compute_falls_back_to_the_roofline_for_unmeasured_dtypes_and_skips_abse
 def test_cpu_gloo_carries_measured_compute():
     """The shipped CPU profile is measured by `autoshard profile` with every curve it times (the
     shipped H100 profiles predate ``conv_unaligned``, the few-row matmul curves, ``copy_blocks`` and
-    ``attention_narrow``; the last was added to it by scripts/add_compute_curve.py), the checkpoint
+    ``attention_narrow``; the last and ``view`` were added to it by scripts/add_compute_curve.py), the checkpoint
     machinery, small all-reduces and the collectives' waits."""
     hw = load_hardware("cpu-gloo")
     assert set(hw.compute) == {"float32"} and set(hw.compute["float32"]) == set(COMPUTE_FAMILIES)
     assert hw.checkpoint is not None and hw.small_all_reduce and hw.sync_wait
-    assert all(len(c.work) >= (4 if family in FEW_ROWS_FAMILIES else 5) for family, c in hw.compute["float32"].items())
+    points = {**{f: 4 for f in FEW_ROWS_FAMILIES}, "view": 2}          # a view's time does not grow with its size
+    assert all(len(c.work) >= points.get(family, 5) for family, c in hw.compute["float32"].items())
     assert hw.optimizer is not None and hw.overlap is not None
     matmul = hw.compute["float32"]["matmul"]
     assert matmul.work[0] <= 2e5 and matmul.work[-1] >= 5e9      # spans ~1e5 .. ~1e10 FLOPs
@@ -647,9 +683,10 @@ def test_cpu_gloo_carries_measured_compute():
 def test_h100_profiles_carry_compute_measured_on_one_h100(name):
     """The H100 profiles keep their datasheet links and carry every compute curve, float32 and
     bfloat16, measured by `autoshard profile --mesh 1x1` on one H100 (bench/gpu_op_compute.py), but
-    ``conv_unaligned``, the few-row matmul curves, ``copy_blocks`` and ``attention_narrow``, added after
-    that measurement (their unaligned convolutions go by ``conv``, their linears on few rows by
-    ``matmul``, their copies by ``pointwise``, their narrow heads by ``attention``), and ``sync_batch_norm``,
+    ``conv_unaligned``, the few-row matmul curves, ``copy_blocks``, ``attention_narrow`` and ``view``, added
+    after that measurement (their unaligned convolutions go by ``conv``, their linears on few rows by
+    ``matmul``, their copies by ``pointwise``, their narrow heads by ``attention``; views cost a GPU's
+    host nothing the cost model counts), and ``sync_batch_norm``,
     measured later the same way on one H200."""
     hw = load_hardware(name)
     assert set(hw.compute) == {"float32", "bfloat16"}

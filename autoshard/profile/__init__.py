@@ -35,9 +35,11 @@ CPU all ranks need, while ranks timed side by side drift apart and the last ones
   10x apart on a CPU; exp and log side by side, their chains would overflow), ``norm`` (``F.layer_norm``),
   ``batch_norm`` (training ``F.batch_norm`` on N, C, H, W images), ``sync_batch_norm`` (the runtime's
   sync-BN kernel on the same images, on a one-device mesh: its local compute), ``max_pool`` and ``avg_pool`` (2x2
-  ``F.max_pool2d`` and ``F.avg_pool2d``), ``loss`` (``F.cross_entropy`` over tokens x vocabulary logits) and
+  ``F.max_pool2d`` and ``F.avg_pool2d``), ``loss`` (``F.cross_entropy`` over tokens x vocabulary logits),
   ``copy_blocks`` (a copy reading runs of 16 elements: what laying a shard out along an inner dim
-  costs, :meth:`autoshard.hardware.HardwareProfile.copy_seconds`). Work is counted exactly as autoshard counts it: FLOPs from
+  costs, :meth:`autoshard.hardware.HardwareProfile.copy_seconds`) and ``view`` (a transpose of a
+  square matrix and a reshape, which copy nothing: a view's dispatch and autograd node,
+  :meth:`autoshard.hardware.HardwareProfile.view_seconds`). Work is counted exactly as autoshard counts it: FLOPs from
   ``FlopCounterMode`` on meta tensors of the same shapes (as :mod:`autoshard.opinfo` profiles a
   node), or bytes of the op's tensor inputs and outputs. An op is timed in a chain of ``k``
   identical ops, each one's output the next one's input, as ops follow each other in a model: the

@@ -82,6 +82,7 @@ ATTENTION_SHAPES = ((1, 2, 32, 32), (1, 4, 64, 32), (2, 4, 128, 64), (2, 12, 256
 # the same batches, heads and sequences at head dim NARROW_HEAD_DIM (see autoshard.hardware.NARROW_HEAD_DIM)
 ATTENTION_NARROW_SHAPES = tuple((b, h, n, NARROW_HEAD_DIM) for b, h, n, _ in ATTENTION_SHAPES)
 POINTWISE_UNITS = (128, 1024, 8192, 65536, 524288, 4194304)   # unary ops get 3x, binary 2x this many elements
+VIEW_UNITS = (1024, 1048576)     # elements (squares); a view's time does not grow with them (two sizes show it)
 NORM_SHAPES = ((4, 64), (16, 256), (64, 768), (1024, 768), (4096, 1024), (16384, 1024))  # tokens, hidden
 LOSS_SHAPES = ((4, 64), (16, 512), (64, 2048), (256, 8192), (1024, 32768))               # tokens, vocabulary
 CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
@@ -93,7 +94,7 @@ CUDA_SIZES = {"matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
               "batch_norm": ((32, 256, 56, 56),), "sync_batch_norm": ((32, 256, 56, 56),),
               "max_pool": ((32, 256, 56, 56),), "avg_pool": ((32, 256, 56, 56),),
               **{f"matmul_rows{r}": ((r, 8192, 8192),) for r in FEW_ROWS},
-              **{name: (33554432,) for name in (*ELEMENTWISE_FUNCTIONS, "copy_blocks")}}
+              **{name: (33554432,) for name in (*ELEMENTWISE_FUNCTIONS, "copy_blocks")}, "view": ()}
 OPTIMIZER_PARAMS = ((1, 2**10), (16, 2**10), (128, 2**10), (2, 2**20), (8, 2**20), (8, 2**21))  # tensors, numel
 CUDA_OPTIMIZER_PARAMS = ((16, 2**22), (8, 2**24), (4, 2**26))   # a GPU's per-byte rate shows from ~100 MB
 _CHAIN_WORK = {"FLOPs": 2e8, "bytes": 1.6e7}   # a chain of small ops has at least this much work ...
@@ -183,6 +184,17 @@ def _copy_blocks(units, dtype, device) -> _Op:
     return _Op(copy, _leaf((3 * units,), dtype, device), lambda i: ())
 
 
+def _transpose(units, dtype, device) -> _Op:
+    """A view: the transpose of a square matrix (the chain keeps its shape)."""
+    side = max(1, round(math.sqrt(units)))
+    return _Op(lambda x: x.transpose(0, 1), _leaf((side, side), dtype, device), lambda i: ())
+
+
+def _reshape_view(units, dtype, device) -> _Op:
+    """A view: a (2, n / 2) tensor viewed as (n / 2, 2), then back (the chain alternates)."""
+    return _Op(lambda x: x.view(x.shape[1], x.shape[0]), _leaf((2, units // 2), dtype, device), lambda i: ())
+
+
 def _layer_norm(shape, dtype, device) -> _Op:
     def norm(x, w, b):
         return F.layer_norm(x, x.shape[-1:], w, b)
@@ -253,6 +265,7 @@ COMPUTE_OPS: dict[str, tuple[tuple, tuple[Callable[..., _Op], ...]]] = {
     "avg_pool": (IMAGE_SHAPES, (_pool(F.avg_pool2d),)),
     "loss": (LOSS_SHAPES, (_cross_entropy,)),
     "copy_blocks": (POINTWISE_UNITS, (_copy_blocks,)),
+    "view": (VIEW_UNITS, (_transpose, _reshape_view)),
 }
 
 
@@ -620,7 +633,7 @@ DRIFT_PROXY: Mapping[str, str] = {
     "matmul_unaligned": "matmul", **{f"matmul_rows{r}": "matmul" for r in FEW_ROWS}, "sync_batch_norm": "batch_norm",
     "attention_narrow": "attention",
     **{name: "pointwise" for name in ("transcendental", *ELEMENTWISE_FUNCTIONS, "max_pool", "avg_pool", "loss",
-                                      "copy_blocks")}}
+                                      "copy_blocks", "view")}}
 """The timed family whose drift a family :func:`remeasure_drift` does not time is taken to share: the
 same kernel on other shapes, or (memory-bound ops) the pointwise pass."""
 
