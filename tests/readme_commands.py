@@ -94,6 +94,8 @@ COMMANDS: dict[str, str] = {
     "--name plan_fidelity_misses": ARGS,  # ~32 min
     "python bench/plan_fidelity.py --models bert-80:8x64,gpt2-96:8x64,bert-128:8x32,llama-48:8x64,cnn-20:8x32 "
     "--name plan_fidelity_loadcheck": ARGS,  # ~32 min
+    "python bench/plan_fidelity.py --models llama-48:8x64,gpt2-64:8x32,bert-64:8x32,llama-96:8x64,cnn-24:8x32 "
+    "--name plan_fidelity_views": ARGS,  # ~34 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks
