@@ -8,4 +8,4 @@ fi
 # torch==2.13.0 first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test,hf]"
+.venv/bin/python -m pip install --quiet -e ".[test,hf]" -c scripts/constraints.txt
