@@ -14,6 +14,7 @@ from autoshard.profile import measure_profile
 # the per-op overhead floor on 2 cores (at the 3rd, a pointwise backward is still ~70% overhead, and
 # 4 ranks' scheduling noise left the 3rd under 1.5x the 1st)
 POINTS = 4
+SIZE_FREE = {"view"}      # a view moves no data: its time does not grow with its size (2 sizes timed)
 
 
 _PROGRESS: list[str] = []     # what measure_profile(progress=True) printed on this rank's stderr
@@ -91,8 +92,10 @@ def test_compute_curves_are_finite_positive_and_grow_with_work(prof):
     assert set(prof.compute) == {"float32"}
     curves = prof.compute["float32"]
     assert set(curves) == set(COMPUTE_FAMILIES)
+    from autoshard.profile.compute import COMPUTE_OPS
+
     for family, c in curves.items():
-        assert len(c.work) == len(c.fwd) == len(c.bwd) == POINTS
+        assert len(c.work) == len(c.fwd) == len(c.bwd) == min(POINTS, len(COMPUTE_OPS[family][0])), family
         assert all(b > a for a, b in zip(c.work, c.work[1:])), family
         for phase, times in (("fwd", c.fwd), ("bwd", c.bwd)):
             assert all(math.isfinite(t) and 1e-8 < t < 10 for t in times), (family, phase, times)
@@ -100,7 +103,8 @@ def test_compute_curves_are_finite_positive_and_grow_with_work(prof):
             # scheduling noise to the next size's time) and the largest point takes clearly
             # longer than the floor
             assert all(b >= a for a, b in zip(times, times[1:])), (family, phase, times)
-            assert times[-1] > 1.5 * times[0], (family, phase, times)
+            if family not in SIZE_FREE:
+                assert times[-1] > 1.5 * times[0], (family, phase, times)
         assert prof.op_seconds(family, 0.0, "fwd", "float32") == c.fwd[0]        # the per-op floor
     mm = curves["matmul"]
     assert 1e7 < mm.work[-1] / mm.fwd[-1] < 1e13, "a matmul rate between 10 MFLOP/s and 10 TFLOP/s"
