@@ -45,8 +45,9 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
    CNN's 20 ms steps get as many samples as the machine's noise needs, for the time of a few LM steps). Step 0's
    loss is the mean of the ranks' losses for every configuration (each rank returns its own).
 
-   Right before and right after a model's timing, the middle point of seven of the profile's compute
-   curves (matmul, attention, pointwise, norm, conv, conv_unaligned, batch_norm) is timed again on all
+   Right before and right after a model's timing, the middle point of eight of the profile's compute
+   curves (matmul, attention, pointwise, norm, conv, conv_unaligned, batch_norm, and view: all dispatch,
+   no data moved; ``autoshard.profile.compute.DRIFT_FAMILIES``) is timed again on all
    ranks, as the profile timed it (``autoshard.profile.compute.remeasure_drift``), and reported as time
    now over the profile's: the machine drift. On a shared VM an op's time moves by a third within
    minutes; a model error is one where the machine has not drifted. After the measurements, every plan
@@ -1254,17 +1255,26 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
     log(f"wrote {RESULTS / (args.name + '.md')} and {png} in {wall_s / 60:.1f} min")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+TIMING_OPTIONS = ("rounds", "max_rounds", "timed_seconds", "steps", "warmup", "settle")
+
+
+def add_timing_options(ap: argparse.ArgumentParser) -> None:
+    """How a model's configurations are timed (``TIMING_OPTIONS``): this bench's, and bench/plan_retime.py's,
+    which times a run's plans again the same way."""
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per model, at least")
     ap.add_argument("--max-rounds", type=int, default=24, help="interleaved rounds per model, at most")
     ap.add_argument("--timed-seconds", type=float, default=60.0,
                     help="timed steps per model last about this long (more rounds where steps are short)")
-    ap.add_argument("--confirm-seconds", type=float, default=30.0,
-                    help="head to head of the solved plan and its fastest rival lasts about this long (0: skip)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration after step 0")
     ap.add_argument("--settle", type=int, default=1, help="untimed steps at the start of each configuration's turn")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_timing_options(ap)
+    ap.add_argument("--confirm-seconds", type=float, default=30.0,
+                    help="head to head of the solved plan and its fastest rival lasts about this long (0: skip)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "
                     "1 warm-up step, a shorter profile")

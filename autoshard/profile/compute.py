@@ -560,7 +560,11 @@ def _measure_optimizer(device: torch.device, iters: int) -> dict[str, list[float
 
 
 # -- drift: the profile's own compute points, timed again ------------------------------------------------
-DRIFT_FAMILIES = ("matmul", "attention", "pointwise", "norm", "conv", "conv_unaligned", "batch_norm")
+DRIFT_FAMILIES = ("matmul", "attention", "pointwise", "norm", "conv", "conv_unaligned", "batch_norm", "view")
+"""The families whose middle point :func:`remeasure_drift` times again. ``view`` is the one whose time
+is all dispatch (a view moves no data): on a shared VM the per-op overhead that dominates a narrow
+model's step may drift apart from the compute-bound middle points of the others (2026-12-07: the same
+llama-40 plans measured 1.4x apart in runs ten minutes apart while those points moved by 7-15%)."""
 
 
 @dataclass(frozen=True)
