@@ -4,11 +4,12 @@
 priced under, on a shared VM whose speed moves by a third within minutes. Where a model misses its
 targets there, this bench tells whether the cost model or the moment was wrong: in one new torchrun
 launch of 4 gloo ranks (2x2 mesh) it solves every plan of the named models again under THAT run's
-measured profile (``bench/results/RUN-profile.yaml``; planning is deterministic, and each plan's
-modeled time is checked to equal the run's), builds the plans that ran there and torch DDP, and
-times them exactly as the fidelity bench does (interleaved rounds of back-to-back turns, the job's
-step while every rank was stepping, ``runtime_speed._loop_turn``), with the profile's compute points
-timed again before and after (the machine drift, ``autoshard.profile.compute.remeasure_drift``).
+measured profile (``bench/results/FROM_RUN-profile.yaml``; each plan's modeled time is checked to be
+the run's, within 1%: a budget plan's ILP stops within its gap), builds the plans that ran there and
+torch DDP, and times them exactly as the fidelity bench does (interleaved rounds of back-to-back
+turns, the job's step while every rank was stepping, ``runtime_speed._loop_turn``), with the
+profile's compute points timed again before and after (the machine drift,
+``autoshard.profile.compute.remeasure_drift``).
 
 Per model: the median and worst |modeled - measured| / measured and Spearman over the same plans,
 in the run and now, the data-parallel plan against torch DDP in both, and the machine drift in both.
