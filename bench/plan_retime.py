@@ -6,10 +6,10 @@ targets there, this bench tells whether the cost model or the moment was wrong: 
 launch of 4 gloo ranks (2x2 mesh) it solves every plan of the named models again under THAT run's
 measured profile (``bench/results/FROM_RUN-profile.yaml``; each plan's modeled time is checked to be
 the run's, within 1%: a budget plan's ILP stops within its gap), builds the plans that ran there and
-torch DDP, and times them exactly as the fidelity bench does (interleaved rounds of back-to-back
-turns, the job's step while every rank was stepping, ``runtime_speed._loop_turn``), with the
-profile's compute points timed again before and after (the machine drift,
-``autoshard.profile.compute.remeasure_drift``).
+torch DDP, and times them as the fidelity bench times its rounds (interleaved back-to-back turns,
+the job's step while every rank was stepping, ``runtime_speed._loop_turn``; without FSDP2 and the
+head to head, so one fewer configuration per round), with the profile's compute points timed
+again before and after (the machine drift, ``autoshard.profile.compute.remeasure_drift``).
 
 Per model: the median and worst |modeled - measured| / measured and Spearman over the same plans,
 in the run and now, the data-parallel plan against torch DDP in both, and the machine drift in both.
@@ -111,8 +111,8 @@ def compare(model: dict) -> dict:
     now = fit(modeled, [p["measured_ms"] / 1e3 for p in both.values()]) if len(both) > 1 else (None, None, None)
     dp = both.get("data_parallel", {})
     return {"plans": len(both), "same_models": same, "then": then, "now": now,
-            "dp_over_ddp_then": dp.get("measured_then_ms", 0) / model["ddp_then_ms"] if dp and model["ddp_then_ms"] else None,
-            "dp_over_ddp_now": dp.get("measured_ms", 0) / model["ddp_ms"] if dp and model["ddp_ms"] else None}
+            "dp_over_ddp_then": dp["measured_then_ms"] / model["ddp_then_ms"] if dp and model["ddp_then_ms"] else None,
+            "dp_over_ddp_now": dp["measured_ms"] / model["ddp_ms"] if dp and model["ddp_ms"] else None}
 
 
 def _x(v: float | None) -> str:
