@@ -16,7 +16,7 @@ from ..decisions import RECOMPUTING, Decision
 from ..handlers.registry import op_info
 from ..param_gather import gathered_bytes
 from ..reshard import ReshardStep, reshard_plan
-from ..solver.evaluate import gradient_reduction, param_gathers
+from ..solver.evaluate import gradient_reduction, gradient_sync, param_gathers
 from ..solver.segments import checkpoint_partition_axes, memory_segments
 from ..specs import ShardSpec
 from ..strategy import BWD, FWD, Strategy, local_bytes
@@ -291,14 +291,17 @@ def _recomputed(nodes: Iterable[NodePlan], decisions: dict[str, str], runs: dict
 
 
 def _gradient_buckets(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]], list[tuple[tuple[int, ...], int]]]:
-    """The gradient all-reduces the runtime leaves to its buckets ((node, operand) pairs) and the
-    bucketed parameter gradients ((axes, bytes per device) each), see :mod:`autoshard.grad_reduction`."""
+    """The strategies' gradient all-reduces the runtime does not run inline ((node, operand) pairs:
+    left to its buckets, summed by a block's reduce-scatter, or shared with another consumer of the
+    value; :func:`~autoshard.solver.evaluate.gradient_sync`, which prices the same) and the bucketed
+    parameter gradients ((axes, bytes per device) each), see :mod:`autoshard.grad_reduction`."""
+    gathers = param_gathers(cg, solution.choice)
     reduction = gradient_reduction(cg, solution.choice)
     buckets = []
-    for param, axes in {**reduction.bucketed, **param_gathers(cg, solution.choice).leftover()}.items():
+    for param, axes in {**reduction.bucketed, **gathers.leftover()}.items():
         host = cg.node_of[param]
         buckets.append((axes, cg.reduced_grad_bytes(param, cg.nodes[host].costs.grads[solution.choice[host]])))
-    return reduction.deferred, buckets
+    return gradient_sync(cg, solution.choice, gathers).skipped, buckets
 
 
 def _param_gathers(cg: "CostGraph", solution: "Solution") -> tuple[frozenset[tuple[str, int]],
@@ -319,8 +322,8 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
                   ) -> list[CommEntry]:
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
     resharding's collective steps, forward and backward, the gradient all-reduces left to the
-    buckets counted once per parameter (``grad_buckets``: the skipped (node, operand) pairs and the
-    bucketed gradients), the parameters gathered per block (``param_gathers``: the uses they
+    buckets counted once per parameter (``grad_buckets``: the (node, operand) pairs whose gradient
+    all-reduce does not run inline, and the bucketed gradients), the parameters gathered per block (``param_gathers``: the uses they
     replace, whose resharding and gradient all-reduce do not run, and per group one all-gather
     forward and one reduce-scatter backward); plus, phase ``recompute``, what runs again in
     backward (the forward collectives of the ``recomputed`` nodes, the forward reshardings into
@@ -332,21 +335,13 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         t[0] += int(nbytes)
         t[1] += 1
 
-    resharded = {(r.dst, r.operand) for r in reshards}
-    deferred, buckets = grad_buckets
+    not_inline, buckets = grad_buckets
     gathered, groups = param_gathers
-    synced: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         again = node.name in recomputed
         for c in node.collectives:
-            if c.phase == BWD and c.operand.startswith("in") and (
-                    (node.name, int(c.operand[2:])) in deferred or (node.name, int(c.operand[2:])) in gathered):
+            if c.phase == BWD and c.operand.startswith("in") and (node.name, int(c.operand[2:])) in not_inline:
                 continue
-            shared = _shared_gradient_sync(node, c, resharded)
-            if shared is not None:        # consumers of one value share its gradient all-reduce
-                if shared in synced:
-                    continue
-                synced.add(shared)
             add(c.kind, c.axes, c.phase, c.nbytes)
             if again and c.phase == FWD:
                 add(c.kind, c.axes, RECOMPUTE, c.nbytes)
@@ -369,15 +364,3 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
         add("all_gather", axes, RECOMPUTE, nbytes)
     return [CommEntry(kind, list(axes), str(phase), n, count)
             for (kind, axes, phase), (n, count) in sorted(totals.items())]
-
-
-def _shared_gradient_sync(node: NodePlan, c: CollectiveEntry, resharded: set[tuple[str, int]]
-                          ) -> tuple[str, tuple[int, ...]] | None:
-    """(producer, axes) of a gradient all-reduce on an operand read as produced (not resharded):
-    the runtime runs one such all-reduce per value and axes, however many consumers need it."""
-    if c.phase != BWD or c.kind != "all_reduce" or not c.operand.startswith("in") or not node.operands:
-        return None
-    j = int(c.operand[2:])
-    if (node.name, j) in resharded or j >= len(node.operands):
-        return None
-    return node.operands[j], tuple(c.axes)

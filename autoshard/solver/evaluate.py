@@ -6,7 +6,7 @@ reports), :func:`objective_of` (the ILP's objective there), and the gradient syn
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def predict(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str],
     t.comm += grouped
     mem.param_copies = chosen_param_edges(cg, choice).held
     sync = gradient_sync(cg, choice, gathers)
-    t.comm += sync.inline - sync.deferred
+    t.comm += sync.inline - sync.deferred - sync.shared
     t.grad_sync = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)[0]
     nonsegmented = mem.activations
     per_segment: list[tuple[float, float]] = []     # (held at the end of forward, rebuilt in backward)
@@ -85,13 +85,16 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     """The ILP's objective (seconds) at one assignment: :func:`predict`'s step time with the
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
     parameter-gradient all-reduce priced there as if bucketed, and without the collectives' waits for
-    drifted ranks (:mod:`.sync_wait`: no ILP term holds them)."""
+    drifted ranks (:mod:`.sync_wait`: no ILP term holds them), each consumer's gradient all-reduce of a
+    shared value priced on its own (:attr:`GradientSync.shared`: the sharing depends on several
+    nodes' strategies at once)."""
     t, _ = predict(cg, choice, decisions, options)
     gathers = param_gathers(cg, choice)
     sync = gradient_sync(cg, choice, gathers)
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     param_edges = chosen_param_edges(cg, choice)
-    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + _linear_grad_sync(cg, choice)
+    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + sync.shared
+            + _linear_grad_sync(cg, choice)
             + per_edge - grouped + param_edges.seconds - param_edges.replaced
             + _rerun_as_priced(cg, choice, decisions, gathers))
 
@@ -155,21 +158,26 @@ def gradient_reduction(cg: CostGraph, choice: dict[str, int]) -> GradReduction:
     """Which gradients the runtime all-reduces in buckets under ``choice``, and which inline
     all-reduces that spares (:func:`autoshard.grad_reduction.plan_gradient_reduction` on the
     chosen strategy of every graph node)."""
+    return plan_gradient_reduction(grad_nodes(cg.graph, lambda n: cg.table[n.name].operand_nodes,
+                                              _chosen_strategy(cg, choice), _resharded(cg, choice), cg.mesh.shape))
+
+
+def _resharded(cg: CostGraph, choice: dict[str, int]) -> Callable[[str, int], bool]:
+    """Whether node ``name`` reads its operand ``j`` resharded under ``choice`` (the producer's chosen
+    output spec is not the one the node's strategy wants)."""
     graph = cg.graph
     fx_nodes = {n.name: n for n in graph.graph.nodes}
     strategy_of = _chosen_strategy(cg, choice)
 
     def resharded(name: str, j: int) -> bool:
-        node = fx_nodes[name]
         producer = cg.table[name].operand_nodes[j]
         if producer not in cg.node_of:
             return False
         wanted = strategy_of(name).input_specs[j]
-        out = graph.output_index(node, producer)
+        out = graph.output_index(fx_nodes[name], producer)
         return wanted is not None and strategy_of(producer).output_specs[out] != wanted
 
-    return plan_gradient_reduction(grad_nodes(graph, lambda n: cg.table[n.name].operand_nodes, strategy_of,
-                                              resharded, cg.mesh.shape))
+    return resharded
 
 
 def _chosen_strategy(cg: CostGraph, choice: dict[str, int]):
@@ -205,12 +213,20 @@ class GradientSync(NamedTuple):
     all-reduces that run inline per use (priced as bucketed by the strategies, so not in their
     ``comm``). ``deferred``: seconds of the activation-gradient all-reduces that the strategies
     price inline but the runtime leaves to the buckets (see :mod:`autoshard.grad_reduction`).
-    ``backward_end``: the backward's length on the compute stream."""
+    ``backward_end``: the backward's length on the compute stream. ``shared``: seconds of the
+    activation-gradient all-reduces that the strategies price per consumer where the runtime runs
+    one for all consumers that read the value as produced (autograd sums their partial gradients
+    first; the q, k and v projections of a tensor-parallel attention block share one). ``skipped``:
+    the (graph node, operand index) pairs whose strategy's gradient all-reduce the runtime does not
+    run inline (summed by a block's reduce-scatter, left to the buckets, or shared with an earlier
+    consumer)."""
 
     synced: list[SyncedGradient]
     inline: float
     deferred: float
     backward_end: float
+    shared: float = 0.0
+    skipped: frozenset[tuple[str, int]] = frozenset()
 
 
 def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers | None = None) -> GradientSync:
@@ -242,7 +258,10 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
             axes, str(meta.dtype), cg.reduced_grad_bytes(param, cg.nodes[host].costs.grads[choice[host]]),
             max(finish[cg.node_of[u]] for u in users))))
     synced.sort(key=lambda item: item[0])
-    inline = deferred = 0.0
+    inline = deferred = shared = 0.0
+    skipped: set[tuple[str, int]] = set()
+    resharded = _resharded(cg, choice)
+    run_once: set[tuple[str, int, tuple[int, ...]]] = set()   # (value, its output, axes) all-reduced inline
     for node in cg.nodes.values():
         for member in node.members:
             strategy = node.member_strategy(member, choice[node.name])
@@ -251,13 +270,23 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
                     continue
                 j = int(a.operand[2:])
                 operand = cg.table[member].operand_nodes[j]
-                if (member, j) in gathers.uses:             # summed by its group's reduce-scatter
+                if (member, j) in gathers.uses or (member, j) in reduction.deferred:
+                    skipped.add((member, j))                # its group's reduce-scatter, or the buckets
+                    if not a.bucketed and (member, j) not in gathers.uses:
+                        deferred += a.cost
                     continue
-                if a.bucketed and operand not in reduction.bucketed:
+                # read as produced, consumers share the value's one all-reduce (see runtime.lower)
+                key = None if resharded(member, j) else (operand, graph.output_index(fx_nodes[member], operand),
+                                                         tuple(a.axes))
+                if key in run_once:
+                    shared += 0.0 if a.bucketed else a.cost
+                    skipped.add((member, j))
+                    continue
+                if key is not None:
+                    run_once.add(key)
+                if a.bucketed:
                     inline += cg.as_run(a).cost
-                elif not a.bucketed and (member, j) in reduction.deferred:
-                    deferred += a.cost
-    return GradientSync([g for _, g in synced], inline, deferred, clock)
+    return GradientSync([g for _, g in synced], inline, deferred, clock, shared, frozenset(skipped))
 
 
 def _segment_prediction(cg: CostGraph, seg: MemorySegment, dec: str, choice: dict[str, int],

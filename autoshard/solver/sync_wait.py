@@ -77,7 +77,8 @@ def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str]
     """The group and the seconds of compute since its ranks last met, for each point of a step
     where a group's ranks wait for each other, in the order the runtime reaches them: a block's
     parameter all-gather (forward) and gradient reduce-scatter (backward), a resharding's
-    collectives, a strategy's own collectives, a recomputed segment's collectives again, and the
+    collectives, a strategy's own collectives (those the runtime runs: not a gradient all-reduce left
+    to the buckets or shared with another consumer), a recomputed segment's collectives again, and the
     wait for the gradient buckets after backward. The optimizer step and what follows the last
     collective run into the next step's first ones."""
     mesh_shape = tuple(cg.mesh.shape)
@@ -111,7 +112,7 @@ def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str]
         s = choice[node.name]
         for member in node.members:
             for c in node.member_strategy(member, s).comm:
-                if c.phase == phase and not c.bucketed:
+                if c.phase == phase and not c.bucketed and not _skipped(member, c.operand, sync):
                     step.meet(c.axes)
 
     def block_collectives(node: "CGNode") -> None:
@@ -155,6 +156,12 @@ def sync_gaps(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str]
         step.meet(axes)
     step.compute(optimizer_s)
     return step.gaps()
+
+
+def _skipped(member: str, operand: str, sync: "GradientSync") -> bool:
+    """Whether a strategy's inline gradient all-reduce on ``operand`` (``"in<j>"``) does not run: left
+    to the buckets or shared with an earlier consumer of the value (``sync.skipped``)."""
+    return operand.startswith("in") and (member, int(operand[2:])) in sync.skipped
 
 
 def sync_wait_seconds(cg: "CostGraph", choice: dict[str, int], decisions: dict[str, str], gathers: "ParamGathers",
