@@ -100,6 +100,9 @@ COMMANDS: dict[str, str] = {
     "--name plan_fidelity_dec07": ARGS,  # ~27 min
     "python bench/plan_retime.py --from-run plan_fidelity_dec07 --models llama-40:8x64": ARGS,  # ~3.5 min on 4 ranks
     "python bench/plan_retime.py --from-run plan_fidelity_dec07 --name plan_fidelity_dec07-retime-all": ARGS,  # ~15 min
+    "python bench/plan_fidelity.py --models llama-40:8x64,llama-64:8x32,gpt2-48:8x64,bert-56:8x64,cnn-18:8x32 "
+    "--name plan_fidelity_dec07b": ARGS,  # ~26 min
+    "python bench/step_decomposition.py --models llama-40:8x64 --plans data_parallel,megatron --hardware bench/results/plan_fidelity_dec07-profile.yaml --iters 16": ARGS,  # ~1 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
     "python bench/replicated_plans.py": ARGS,      # ~2 min on 4 ranks
