@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 
 from autoshard.solver.evaluate import gradient_sync
+from autoshard.solver.shared_sync import shared_sync_credit
 from autoshard.strategy import BWD
 from test_baselines import baseline, graph
 
@@ -47,3 +48,12 @@ def test_tensor_parallel_attention_shares_the_input_gradient_all_reduce():
         assert priced[gate_up] == 2 and running[gate_up] == 1, (priced, running)
     assert sync.shared == pytest.approx(sum(c for m, j, _, c in entries if (m, j) in sync.skipped) - sync.deferred)
     assert sync.shared > 0
+
+
+def test_the_ilp_prices_the_same_sharing_where_every_consumer_reads_the_value_as_produced():
+    """Megatron's shared all-reduces all read their value as produced and run inline: the ILP's
+    credit (one all-reduce per value and axes) is the exact model's."""
+    cg = graph("llama-tiny")
+    sol = baseline("llama-tiny", "megatron").solution
+    assert shared_sync_credit(cg, sol.choice) == pytest.approx(gradient_sync(cg, sol.choice).shared, rel=1e-12)
+    assert shared_sync_credit(cg, sol.choice) > 0

@@ -21,6 +21,7 @@ from .memory_model import checkpoint_overhead, rerun_cost
 from .param_edges import chosen_param_edges, gather_copy_seconds, gather_flatten_seconds
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
+from .shared_sync import shared_sync_credit
 from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
 from .sync_wait import sync_wait_seconds
 
@@ -85,15 +86,15 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     """The ILP's objective (seconds) at one assignment: :func:`predict`'s step time with the
     scheduled gradient sync replaced by the ILP's linear form of it (see :mod:`.steptime`), every
     parameter-gradient all-reduce priced there as if bucketed, and without the collectives' waits for
-    drifted ranks (:mod:`.sync_wait`: no ILP term holds them), each consumer's gradient all-reduce of a
-    shared value priced on its own (:attr:`GradientSync.shared`: the sharing depends on several
-    nodes' strategies at once)."""
+    drifted ranks (:mod:`.sync_wait`: no ILP term holds them), and the gradient all-reduces that
+    consumers of a value share priced as :mod:`.shared_sync` prices them (whether or not a consumer
+    reads the value resharded or leaves it to the buckets)."""
     t, _ = predict(cg, choice, decisions, options)
     gathers = param_gathers(cg, choice)
     sync = gradient_sync(cg, choice, gathers)
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     param_edges = chosen_param_edges(cg, choice)
-    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + sync.shared
+    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + sync.shared - shared_sync_credit(cg, choice)
             + _linear_grad_sync(cg, choice)
             + per_edge - grouped + param_edges.seconds - param_edges.replaced
             + _rerun_as_priced(cg, choice, decisions, gathers))

@@ -4,7 +4,7 @@
 variables of each edge group on its distinct-spec grid and the marginals that tie them to the
 strategies, and the linear expressions of per-node costs. The terms here are seconds per step in
 ILP units (:data:`T` microseconds per second, ``Model.M`` bytes: see :func:`memory_unit`): node compute and
-collectives, the gradient synchronisation as the runtime buckets and overlaps it, edge resharding
+collectives (one gradient all-reduce for the consumers of a value that share it), the gradient synchronisation as the runtime buckets and overlaps it, edge resharding
 (parameter edges priced by :mod:`.param_edges`), and the copies of parameters held until backward."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..grad_reduction import Axes
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .param_edges import gather_latency, param_edge_prices
 from .results import Reshard, SolverOptions
+from .shared_sync import shared_sync_prices
 from .steptime import SyncPricing, bucket_copy_seconds, overlap_fraction
 
 
@@ -128,6 +129,21 @@ def node_time_terms(m: Model) -> list:
         per_strategy = node.costs.time()
         if np.any(per_strategy):
             terms.append(g.count * m.choice_expr(node.name, per_strategy * T))
+    return terms
+
+
+def shared_sync_terms(m: Model) -> list:
+    """Gradient all-reduces that consumers of one value share (:mod:`.shared_sync`): per value and
+    mesh axes, ``z >=`` each consumer's chosen price, and the objective pays ``z`` in place of the
+    prices :func:`node_time_terms` counts each."""
+    terms = []
+    for consumers in shared_sync_prices(m.cg):
+        z = m.var(name="shared_sync")
+        for node, prices in consumers:
+            price = m.choice_expr(node, prices * T)
+            m.prob += z >= price
+            terms.append(-1.0 * price)
+        terms.append(z)
     return terms
 
 

@@ -12,7 +12,9 @@ Variables
                take which decision cannot change cost or memory, so counts replace per-segment
                binaries and remove that symmetry altogether (readout hands the decisions out along
                the block sequence in READOUT_ORDER, which lowers the real peak below the bound).
-Objective (seconds per training step): node compute + collectives, resharding on edges (out of
+Objective (seconds per training step): node compute + collectives (per value and mesh axes whose
+  gradient several consumers all-reduce, the dearest consumer's price in place of their sum, as
+  the runtime runs one: :mod:`.shared_sync`), resharding on edges (out of
   parameters as :mod:`.param_edges` prices them: a parameter the runtime gathers with its block
   pays bandwidth per edge and the collectives' latency once per block), recomputation (the segment's forward again, or its runs' forward when selective, with the
   resharding of every operand read inside them: the runtime reshards where the consumer runs, inside
@@ -98,7 +100,8 @@ from ..units import format_bytes
 from .costgraph import CostGraph
 from .evaluate import (GradientSync, gradient_reduction, gradient_sync, objective_of, param_gather_seconds,
                        param_gathers, predict)
-from .formulation import M, RESHARD_PENALTY, T, Model, edge_time_terms, grad_sync_terms, node_time_terms
+from .formulation import (M, RESHARD_PENALTY, T, Model, edge_time_terms, grad_sync_terms, node_time_terms,
+                          shared_sync_terms)
 from .memory_model import memory_and_recompute
 from .results import MemoryPrediction, Reshard, Solution, SolverOptions, TimePrediction
 from .segments import MemorySegment, memory_segments, post_segment_nodes
@@ -179,6 +182,7 @@ def _build(cg: CostGraph, options: SolverOptions, allowed: dict[str, Iterable[in
     ``margin`` bytes)."""
     m = Model(cg, options, allowed=allowed, reshard=reshard)
     objective_terms = node_time_terms(m)
+    objective_terms += shared_sync_terms(m)
     objective_terms += edge_time_terms(m)
     objective_terms += grad_sync_terms(m)
     peaks, handles = memory_and_recompute(m, objective_terms, options.memory_budget)
