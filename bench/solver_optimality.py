@@ -86,16 +86,18 @@ def param_edges_resharded(cg: CostGraph, sol: Solution) -> int:
 def grad_sync(cg: CostGraph, sol: Solution) -> dict:
     """A plan's parameter-gradient sync as the step model schedules it (autoshard.solver.steptime):
     buckets, bytes, the buckets' all-reduce seconds, what the step waits for, the seconds of
-    parameter-gradient all-reduces that run inline (not bucketable), and those of the
-    activation-gradient all-reduces the buckets take over (autoshard.grad_reduction); parameters
+    parameter-gradient all-reduces that run inline (not bucketable), those of the
+    activation-gradient all-reduces the buckets take over (autoshard.grad_reduction) and of those
+    that consumers of one value share (one runs); parameters
     gathered per block (ZeRO-3) as priced per resharded edge and as the step model
     and the runtime run them (one all-gather and one reduce-scatter per block)."""
-    synced, inline, deferred, backward_end = gradient_sync(cg, sol.choice, param_gathers(cg, sol.choice))
+    sync = gradient_sync(cg, sol.choice, param_gathers(cg, sol.choice))
     per_edge, grouped = param_gather_seconds(cg, sol.choice)
-    exposed, total = exposed_grad_sync(synced, backward_end, cg.mesh.shape, cg.hardware)
-    return {"buckets": len(grad_buckets([((g.axes, g.dtype), g.nbytes) for g in synced])),
-            "bytes": sum(g.nbytes for g in synced), "seconds": total, "exposed_s": exposed, "inline_s": inline,
-            "deferred_s": deferred, "gather_per_edge_s": per_edge, "gather_per_block_s": grouped}
+    exposed, total = exposed_grad_sync(sync.synced, sync.backward_end, cg.mesh.shape, cg.hardware)
+    return {"buckets": len(grad_buckets([((g.axes, g.dtype), g.nbytes) for g in sync.synced])),
+            "bytes": sum(g.nbytes for g in sync.synced), "seconds": total, "exposed_s": exposed,
+            "inline_s": sync.inline, "deferred_s": sync.deferred, "shared_s": sync.shared,
+            "gather_per_edge_s": per_edge, "gather_per_block_s": grouped}
 
 
 def output_gather(cg: CostGraph, sol: Solution) -> float:
@@ -185,7 +187,7 @@ def check(rec: dict, failures: list[str]) -> None:
                             f"{b['objective_s'] * 1e3:.4f} ms")
         sync = b.get("grad_sync", {})
         scheduled = b["feasible"] and (b["evaluate_s"] + sync["exposed_s"] + sync["inline_s"] - sync["deferred_s"]
-                                       - sync["gather_per_edge_s"] + sync["gather_per_block_s"])
+                                       - sync["shared_s"] - sync["gather_per_edge_s"] + sync["gather_per_block_s"])
         if b["feasible"] and abs(scheduled - b["step_s"]) > 1e-9 + 1e-6 * b["step_s"]:
             failures.append(f"{where}: baseline {name}: step time {b['step_s']} != the reference sum + scheduled "
                             f"gradient sync {scheduled}")

@@ -54,7 +54,7 @@ COMMANDS: dict[str, str] = {
     "python bench/model_zoo.py": ARGS,               # ~4 min, 4 ranks
     "python bench/capture_llama7b.py": ARGS,         # 3 timed captures of the 7B graph
     "python bench/enumerate_llama7b.py": ARGS,       # 3 timed cold enumerations
-    "python bench/plan_depth_scaling.py": ARGS,      # minutes: 70B-width captures and budgeted solves
+    "python bench/plan_depth_scaling.py --reps 3": ARGS,      # minutes: 70B-width captures and budgeted solves
     "python bench/solver_optimality.py": ARGS,       # 8 min with --reference-time-limit 60, hours with the default
     "python bench/solver_budget_sweep.py": ARGS,     # minutes of budgeted solves
     "python bench/runtime_speed.py": ARGS,           # minutes, two torchrun launches

@@ -18,7 +18,7 @@ from ..grad_reduction import Axes
 from .costgraph import SYNC_AXES, CGEdge, CostGraph
 from .param_edges import gather_latency, param_edge_prices
 from .results import Reshard, SolverOptions
-from .shared_sync import shared_sync_prices
+from .shared_sync import shared_sync_classes
 from .steptime import SyncPricing, bucket_copy_seconds, overlap_fraction
 
 
@@ -137,13 +137,13 @@ def shared_sync_terms(m: Model) -> list:
     mesh axes, ``z >=`` each consumer's chosen price, and the objective pays ``z`` in place of the
     prices :func:`node_time_terms` counts each."""
     terms = []
-    for consumers in shared_sync_prices(m.cg):
+    for count, consumers in shared_sync_classes(m.cg):    # aliased blocks' values: one z for all
         z = m.var(name="shared_sync")
         for node, prices in consumers:
             price = m.choice_expr(node, prices * T)
             m.prob += z >= price
-            terms.append(-1.0 * price)
-        terms.append(z)
+            terms.append(-count * price)
+        terms.append(count * z)
     return terms
 
 

@@ -22,7 +22,7 @@ from ..strategy import BWD
 if TYPE_CHECKING:
     from .costgraph import CostGraph
 
-__all__ = ["shared_sync_credit", "shared_sync_prices"]
+__all__ = ["shared_sync_classes", "shared_sync_credit", "shared_sync_prices"]
 
 SharedSync = list[tuple[str, np.ndarray]]
 """One value's consumers on one set of mesh axes: (CGNode, seconds of its all-reduce of the value's
@@ -33,6 +33,24 @@ def shared_sync_prices(cg: "CostGraph") -> list[SharedSync]:
     """Per (value, mesh axes) that two or more decision nodes may all-reduce the gradient of inline:
     each node's price per strategy (its members' summed). Computed once per graph."""
     return cg.derived("shared_sync_prices", lambda: _prices(cg))
+
+
+def shared_sync_classes(cg: "CostGraph") -> list[tuple[int, SharedSync]]:
+    """:func:`shared_sync_prices` grouped where the consumers are of the same decision groups with
+    the same prices (a value of each of a stack of aliased blocks): (how many, one of them). Every
+    member of a class takes the same choice, so the ILP needs one term per class."""
+    def signature(shared: SharedSync) -> tuple:
+        return tuple((cg.nodes[node].group, prices.tobytes()) for node, prices in shared)
+
+    return cg.derived("shared_sync_classes", lambda: _classes(shared_sync_prices(cg), signature))
+
+
+def _classes(items: list[SharedSync], signature) -> list[tuple[int, SharedSync]]:
+    classes: dict[tuple, list] = {}
+    for shared in items:
+        entry = classes.setdefault(signature(shared), [0, shared])
+        entry[0] += 1
+    return [(count, shared) for count, shared in classes.values()]
 
 
 def _prices(cg: "CostGraph") -> list[SharedSync]:
