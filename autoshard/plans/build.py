@@ -235,6 +235,8 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
     plan reshards it into the consumer (then a tensor of its own); parameters are never offloaded.
     """
     graph, mesh = cg.graph, cg.mesh
+    nodes = list(nodes)
+    by_name = {n.name: n for n in nodes}
     resharded = {(r.dst, r.operand) for r in reshards}
     seen: dict[str, set[tuple]] = defaultdict(set)
     total = 0
@@ -244,19 +246,61 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
         total += node.memory["saved"]
         op = op_info(graph.node(node.name), graph, mesh)
         for saved in op.profile().saved:
+            compact = None
             if saved.source == "input" and not op.operand_is_param(saved.index):
                 key = _saved_operand_key(node.name, saved.index, op.operand_nodes[saved.index], resharded)
                 if saved.scale != 1.0:      # a copy in another dtype (SDPA's additive mask): a tensor of its own
                     key = (*key, saved.scale)
+                elif key[0] != "resharded":
+                    compact = _broadcast_view_bytes(graph, by_name, resharded, op.operand_nodes[saved.index], mesh)
                 meta, spec = op.operands[saved.index], node.inputs[saved.index]
             elif saved.source == "output":
                 key, meta, spec = (node.name, saved.index), op.outputs[saved.index], node.outputs[saved.index]
             else:
                 continue
+            counted = round(local_bytes(meta, ShardSpec.parse(spec), mesh.shape) * saved.scale)
             if key in seen[str(node.segment)]:
-                total -= round(local_bytes(meta, ShardSpec.parse(spec), mesh.shape) * saved.scale)
+                total -= counted
+            elif compact is not None:       # the hooks copy a broadcast view as the memory it reads
+                total -= counted - compact
             seen[str(node.segment)].add(key)
     return total
+
+
+_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
+          "aten.squeeze.dim", "aten.squeeze.default")
+
+
+def _broadcast_view_bytes(graph: "CapturedGraph", nodes: dict[str, NodePlan], resharded: set[tuple[str, int]],
+                          value: "fx.Node", mesh) -> int | None:
+    """Bytes the offload hooks copy of ``value`` where, on each device, it is a view of a broadcast
+    (an ``expand`` followed by views, each read as produced: a grouped-query attention's key and
+    value heads repeated, whose local shard keeps the repeat as a stride-0 dimension): the memory it
+    reads (see :func:`autoshard.memory.host_offload._unbroadcast`). None where it is not one. The
+    chain is replayed on meta tensors with each node's local shape, as the runtime runs it."""
+    import torch
+
+    from ..memory.host_offload import _unbroadcast
+
+    chain = []
+    while str(value.target) in _VIEWS and (value.name, 0) not in resharded and isinstance(value.args[0], torch.fx.Node):
+        chain.append(value)
+        value = value.args[0]
+    if str(value.target) != "aten.expand.default" or value.name not in nodes:
+        return None
+    chain.append(value)
+
+    def local(name: str, spec: str) -> tuple[int, ...]:
+        return ShardSpec.parse(spec).local_shape(graph.tensor_meta(name).shape, mesh.shape)
+
+    source = value.args[0]
+    t = torch.empty(local(source.name, nodes[value.name].inputs[0]), device="meta",
+                    dtype=graph.tensor_meta(value.name).dtype)
+    for n in reversed(chain):
+        shape = local(n.name, nodes[n.name].outputs[0])
+        t = t.expand(shape) if n is value else t.reshape(shape)
+    compact = _unbroadcast(t)
+    return compact.numel() * compact.element_size() if compact is not t else None
 
 
 def _saved_operand_key(consumer: str, index: int, operand: "fx.Node", resharded: set[tuple[str, int]]) -> tuple:
