@@ -283,7 +283,8 @@ def _broadcast_view_bytes(graph: "CapturedGraph", nodes: dict[str, NodePlan], re
     from ..memory.host_offload import _unbroadcast
 
     chain = []
-    while str(value.target) in _VIEWS and (value.name, 0) not in resharded and isinstance(value.args[0], torch.fx.Node):
+    while (str(value.target) in _VIEWS and (value.name, 0) not in resharded
+           and isinstance(value.args[0], torch.fx.Node)):
         chain.append(value)
         value = value.args[0]
     if str(value.target) != "aten.expand.default" or value.name not in nodes:
@@ -367,11 +368,11 @@ def _comm_entries(nodes: Iterable[NodePlan], reshards: list[ReshardEntry], recom
     """Bytes per device per step by (kind, axes, phase): every node's collectives and every
     resharding's collective steps, forward and backward, the gradient all-reduces left to the
     buckets counted once per parameter (``grad_buckets``: the (node, operand) pairs whose gradient
-    all-reduce does not run inline, and the bucketed gradients), the parameters gathered per block (``param_gathers``: the uses they
-    replace, whose resharding and gradient all-reduce do not run, and per group one all-gather
-    forward and one reduce-scatter backward); plus, phase ``recompute``, what runs again in
-    backward (the forward collectives of the ``recomputed`` nodes, the forward reshardings into
-    them) and the all-gathers of partitioned checkpoints."""
+    all-reduce does not run inline, and the bucketed gradients), the parameters gathered per block
+    (``param_gathers``: the uses they replace, whose resharding and gradient all-reduce do not run,
+    and per group one all-gather forward and one reduce-scatter backward); plus, phase
+    ``recompute``, what runs again in backward (the forward collectives of the ``recomputed`` nodes,
+    the forward reshardings into them) and the all-gathers of partitioned checkpoints."""
     totals: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(kind: str, axes: Iterable[int], phase: str, nbytes: int) -> None:

@@ -21,7 +21,7 @@ from .memory_model import checkpoint_overhead, rerun_cost
 from .param_edges import chosen_param_edges, gather_copy_seconds, gather_flatten_seconds
 from .results import MemoryPrediction, SolverOptions, TimePrediction
 from .segments import MemorySegment, checkpoint_partition_axes, memory_segments, post_segment_nodes
-from .shared_sync import shared_sync_credit
+from .shared_sync import shared_sync_credit, synced_value
 from .steptime import SyncedGradient, SyncPricing, bucket_copy_seconds, exposed_grad_sync, overlap_fraction
 from .sync_wait import sync_wait_seconds
 
@@ -94,8 +94,8 @@ def objective_of(cg: CostGraph, choice: dict[str, int], decisions: dict[str, str
     sync = gradient_sync(cg, choice, gathers)
     per_edge, grouped = _gather_seconds(cg, choice, gathers)
     param_edges = chosen_param_edges(cg, choice)
-    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred + sync.shared - shared_sync_credit(cg, choice)
-            + _linear_grad_sync(cg, choice)
+    return (t.total - t.sync_wait - t.grad_sync - sync.inline + sync.deferred
+            + sync.shared - shared_sync_credit(cg, choice) + _linear_grad_sync(cg, choice)
             + per_edge - grouped + param_edges.seconds - param_edges.replaced
             + _rerun_as_priced(cg, choice, decisions, gathers))
 
@@ -270,15 +270,13 @@ def gradient_sync(cg: CostGraph, choice: dict[str, int], gathers: ParamGathers |
                 if a.phase != BWD or not a.operand.startswith("in"):
                     continue
                 j = int(a.operand[2:])
-                operand = cg.table[member].operand_nodes[j]
                 if (member, j) in gathers.uses or (member, j) in reduction.deferred:
                     skipped.add((member, j))                # its group's reduce-scatter, or the buckets
                     if not a.bucketed and (member, j) not in gathers.uses:
                         deferred += a.cost
                     continue
                 # read as produced, consumers share the value's one all-reduce (see runtime.lower)
-                key = None if resharded(member, j) else (operand, graph.output_index(fx_nodes[member], operand),
-                                                         tuple(a.axes))
+                key = None if resharded(member, j) else synced_value(cg, member, j, a.axes)
                 if key in run_once:
                     shared += 0.0 if a.bucketed else a.cost
                     skipped.add((member, j))

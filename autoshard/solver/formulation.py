@@ -4,7 +4,8 @@
 variables of each edge group on its distinct-spec grid and the marginals that tie them to the
 strategies, and the linear expressions of per-node costs. The terms here are seconds per step in
 ILP units (:data:`T` microseconds per second, ``Model.M`` bytes: see :func:`memory_unit`): node compute and
-collectives (one gradient all-reduce for the consumers of a value that share it), the gradient synchronisation as the runtime buckets and overlaps it, edge resharding
+collectives (one gradient all-reduce for the consumers of a value that share it), the gradient
+synchronisation as the runtime buckets and overlaps it, edge resharding
 (parameter edges priced by :mod:`.param_edges`), and the copies of parameters held until backward."""
 from __future__ import annotations
 

@@ -22,11 +22,18 @@ from ..strategy import BWD
 if TYPE_CHECKING:
     from .costgraph import CostGraph
 
-__all__ = ["shared_sync_classes", "shared_sync_credit", "shared_sync_prices"]
+__all__ = ["shared_sync_classes", "shared_sync_credit", "shared_sync_prices", "synced_value"]
 
 SharedSync = list[tuple[str, np.ndarray]]
 """One value's consumers on one set of mesh axes: (CGNode, seconds of its all-reduce of the value's
 gradient per strategy, 0 where the strategy runs none)."""
+
+
+def synced_value(cg: "CostGraph", member: str, j: int, axes) -> tuple[str, int, tuple[int, ...]]:
+    """What graph node ``member``'s gradient all-reduce of operand ``j`` over ``axes`` reduces: the
+    value (producer, its output read) and the axes; consumers with the same one may share it."""
+    operand = cg.table[member].operand_nodes[j]
+    return operand, cg.graph.output_index(member, operand), tuple(axes)
 
 
 def shared_sync_prices(cg: "CostGraph") -> list[SharedSync]:
@@ -54,8 +61,6 @@ def _classes(items: list[SharedSync], signature) -> list[tuple[int, SharedSync]]
 
 
 def _prices(cg: "CostGraph") -> list[SharedSync]:
-    graph = cg.graph
-    fx_nodes = {n.name: n for n in graph.graph.nodes}
     by_value: dict[tuple[str, int, tuple[int, ...]], dict[str, np.ndarray]] = {}
     for node in cg.nodes.values():
         for member in node.members:
@@ -63,8 +68,7 @@ def _prices(cg: "CostGraph") -> list[SharedSync]:
                 for a in node.member_strategy(member, s).comm:
                     if a.phase != BWD or a.kind != "all_reduce" or a.bucketed or not a.operand.startswith("in"):
                         continue
-                    operand = cg.table[member].operand_nodes[int(a.operand[2:])]
-                    key = (operand, graph.output_index(fx_nodes[member], operand), tuple(a.axes))
+                    key = synced_value(cg, member, int(a.operand[2:]), a.axes)
                     prices = by_value.setdefault(key, {}).setdefault(node.name, np.zeros(len(node)))
                     prices[s] += a.cost
     return [list(consumers.items()) for consumers in by_value.values() if len(consumers) > 1]
