@@ -58,12 +58,15 @@ In one run, on 4 gloo ranks (2x2 mesh) of this machine:
 
 Per model: Spearman rank correlation of modeled vs measured step time over the distinct autoshard
 plans that ran, median and worst |modeled - measured| / measured, the solved plan's measured time over the
-fastest measured configuration (DDP and FSDP2 included). Targets: solved/fastest <= 1.05,
+fastest measured configuration (DDP and FSDP2 included), checked head to head: the solved plan and
+the fastest other configuration of the rounds run again alone, interleaved, for ``--confirm-seconds``
+(at most ``--confirm-max-rounds`` rounds), with a 90% bootstrap interval of their ratio (on 4 ranks
+sharing 2 cores a 40 ms step's ratio moves +-5% at 48 rounds). Targets: solved/fastest <= 1.05,
 Spearman >= 0.9, median error <= 20%. Writes bench/results/plan_fidelity.{json,md,png} and the
 measured profile bench/results/fidelity-measured.yaml.
 
 Run: python bench/plan_fidelity.py [--rounds 4] [--max-rounds 24] [--timed-seconds 60] [--steps 3] [--settle 1]
-                                    [--warmup 2] [--models gpt2-128,cnn-16,gpt2-160:16x64]
+                                    [--warmup 2] [--confirm-seconds 60] [--confirm-max-rounds 96] [--models gpt2-128,cnn-16,gpt2-160:16x64]
      (a model: one of MODELS, or <family>-<width>, either optionally :BATCH or :BATCHxSEQ, see model_sizes)
      python bench/plan_fidelity.py --quick      # smoke test: one model, one round
      python bench/plan_fidelity.py --reanalyse [--name NAME]   # re-price a finished run under its drift
@@ -551,7 +554,7 @@ def head_to_head(solved: Config, rivals: list[Config], args: argparse.Namespace)
         c.times, c.phases, c.settle_times = [], [], []
     estimate = torch.tensor([args.steps * sum(statistics.median(t) for t, _, _ in saved)], dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    rounds = max(args.rounds, min(2 * args.max_rounds, math.ceil(args.confirm_seconds / float(estimate))))
+    rounds = max(args.rounds, min(args.confirm_max_rounds, math.ceil(args.confirm_seconds / float(estimate))))
     run_rounds(pair, 0, rounds, args.steps, dist.barrier, settle=args.settle, back_to_back=True)
     out = {"solved": solved.name, "rival": rival.name, "rounds": rounds,
            "solved_measured": stats(solved.times), "rival_measured": stats(rival.times)}
@@ -815,7 +818,25 @@ def _head_to_head_summary(h2h: dict | None) -> dict | None:
         return None
     mine, theirs = h2h["solved_measured"]["median_ms"], h2h["rival_measured"]["median_ms"]
     return {"rival": h2h["rival"], "rounds": h2h["rounds"], "solved_ms": mine, "rival_ms": theirs,
-            "solved_over_rival": mine / theirs}
+            "solved_over_rival": mine / theirs,
+            "interval": ratio_interval(h2h["solved_measured"]["all_ms"], h2h["rival_measured"]["all_ms"])}
+
+
+RATIO_INTERVAL = 0.90
+"""Coverage of the bootstrap interval reported beside a head-to-head ratio."""
+
+
+def ratio_interval(a: Sequence[float], b: Sequence[float], resamples: int = 2000) -> tuple[float, float] | None:
+    """A bootstrap :data:`RATIO_INTERVAL` interval of ``median(a) / median(b)`` (each sample resampled
+    on its own, seeded: the same run gives the same interval): how far the ratio could move on
+    another run of as many rounds on this machine. None with fewer than 2 times either side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(resamples))
+    tail = (1 - RATIO_INTERVAL) / 2
+    return ratios[int(tail * resamples)], ratios[int((1 - tail) * resamples) - 1]
 
 
 def ranks(xs: list[float]) -> list[float]:
@@ -994,6 +1015,7 @@ def driver(args) -> int:
         torchrun([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--hardware", str(hw_path),
                   "--models", args.models, "--rounds", str(args.rounds), "--max-rounds", str(args.max_rounds),
                   "--timed-seconds", str(args.timed_seconds), "--confirm-seconds", str(args.confirm_seconds),
+                  "--confirm-max-rounds", str(args.confirm_max_rounds),
                   "--steps", str(args.steps),
                   "--settle", str(args.settle), "--warmup", str(args.warmup)], env)
         data = json.loads(out.read_text())
@@ -1033,6 +1055,7 @@ def reanalyse(args) -> int:
     settings = data["settings"]
     for k in ("rounds", "max_rounds", "timed_seconds", "confirm_seconds", "steps", "settle", "warmup", "quick"):
         setattr(args, k, settings[k])
+    args.confirm_max_rounds = settings.get("confirm_max_rounds", 2 * settings["max_rounds"])   # runs before the option
     args.models = ",".join(m["model"] for m in data["models"])
     report(args, data, hw_path, data["profile"]["seconds"], data["wall_s"], loadavg=data.get("loadavg_at_end"))
     return 0
@@ -1057,7 +1080,9 @@ def _flag(x: bool | None) -> str:
 def _head_to_head_cell(h2h: dict | None) -> str:
     if not h2h:
         return "-"
-    return f"{h2h['solved_ms']:.1f} / {h2h['rival_ms']:.1f} ({h2h['rival']}, {h2h['rounds']} rounds)"
+    ci = h2h.get("interval")
+    spread = f", ratio {h2h['solved_over_rival']:.2f}x, {100 * RATIO_INTERVAL:.0f}% CI {ci[0]:.2f}-{ci[1]:.2f}" if ci else ""
+    return f"{h2h['solved_ms']:.1f} / {h2h['rival_ms']:.1f} ({h2h['rival']}, {h2h['rounds']} rounds{spread})"
 
 
 def _same_function_cell(model: str, s: dict) -> str:
@@ -1224,8 +1249,9 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
             f"fastest over every configuration incl. torch DDP and FSDP2 (fully_shard per block, then the root). "
             f"Solved/fastest is checked head to head: after the rounds, the solved plan and the fastest other "
             f"configuration of those rounds (its rival) run again, interleaved, alone, about {args.confirm_seconds:.0f} s "
-            f"of timed steps (at least {args.rounds} rounds, at most {2 * args.max_rounds}), and the ratio is the solved "
-            f"plan's median over the faster of the two there (1.00x where the solved plan is); the rounds' own ratio, "
+            f"of timed steps (at least {args.rounds} rounds, at most {args.confirm_max_rounds}), and the ratio is the solved "
+            f"plan's median over the faster of the two there (1.00x where the solved plan is; beside it the ratio "
+            f"itself and its {100 * RATIO_INTERVAL:.0f}% bootstrap interval); the rounds' own ratio, "
             f"solved over the lowest of a dozen noisy medians, is biased against the solved plan and shown beside it. "
             f"Targets: solved/fastest <= {TARGETS['solved_over_fastest']}, Spearman >= {TARGETS['spearman']}, "
             f"median error <= {100 * TARGETS['median_err']:.0f}%. Step-0 loss diff: max - min step-0 loss (global "
@@ -1235,7 +1261,7 @@ def report(args, data: dict, hw_path: Path, profile_s: float, wall_s: float,
                               "models": {k: model_spec(k) for k in args.models.split(",")},
                               "sizes": {k: model_sizes(k)._asdict() for k in args.models.split(",")}, "rounds": args.rounds,
                               "max_rounds": args.max_rounds, "timed_seconds": args.timed_seconds,
-                              "confirm_seconds": args.confirm_seconds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS, "loss": LOSS,
+                              "confirm_seconds": args.confirm_seconds, "confirm_max_rounds": args.confirm_max_rounds, "steps": args.steps, "settle": args.settle, "warmup": args.warmup, "quick": args.quick, "outputs": OUTPUTS, "loss": LOSS,
                               "other_profiles": OTHER_PROFILES, "budget_fractions": BUDGET_FRACTIONS,
                               "perturb": {"fractions_seeds": PERTURBATIONS, "min": PERTURB_MIN},
                               "targets": TARGETS,
@@ -1273,8 +1299,11 @@ def add_timing_options(ap: argparse.ArgumentParser) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_timing_options(ap)
-    ap.add_argument("--confirm-seconds", type=float, default=30.0,
+    ap.add_argument("--confirm-seconds", type=float, default=60.0,
                     help="head to head of the solved plan and its fastest rival lasts about this long (0: skip)")
+    ap.add_argument("--confirm-max-rounds", type=int, default=96,
+                    help="at most this many rounds in the head to head (a 40 ms step's 90%% interval of the ratio "
+                         "is about +-5%% at 48)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_MODEL} only, 1 round, 1 step, "
                     "1 warm-up step, a shorter profile")
@@ -1294,7 +1323,7 @@ def main() -> int:
     if args.quick:
         args.models = QUICK_MODEL if args.models == ",".join(MODELS) else args.models.split(",")[0]
         args.rounds, args.steps, args.settle, args.warmup, args.profile_iters = 1, 1, 1, 1, min(args.profile_iters, 10)
-        args.max_rounds = 1
+        args.max_rounds, args.confirm_max_rounds = 1, 2
     for key in args.models.split(","):
         try:
             model_spec(key)

@@ -56,7 +56,7 @@ def test_a_sized_model_builds_its_inputs_at_those_sizes():
 
 
 def _measured(ms: float, loss: float = 1.0) -> dict:
-    return {"median_ms": ms, "min_ms": ms, "max_ms": ms, "first_loss": loss}
+    return {"median_ms": ms, "min_ms": ms, "max_ms": ms, "all_ms": [ms] * 3, "first_loss": loss}
 
 
 def _model(head_to_head: dict | None) -> dict:
@@ -81,6 +81,24 @@ def test_solved_over_fastest_is_the_head_to_head_ratio_where_it_ran():
     assert plan_fidelity.analyse(_model(h2h))["solved_over_fastest"] == 1.0
     h2h["solved_measured"] = _measured(107.0)
     assert not plan_fidelity.analyse(_model(h2h))["pass"]["solved_over_fastest"]
+
+
+def test_the_head_to_head_ratio_carries_a_seeded_bootstrap_interval():
+    """The interval holds the ratio of the medians, narrows with more rounds of the same spread, and
+    is the same on every analysis of one run."""
+    solved = [100.0 + (i % 7) for i in range(24)]
+    rival = [98.0 + (i % 5) for i in range(24)]
+    low, high = plan_fidelity.ratio_interval(solved, rival)
+    assert low <= 103 / 100 <= high and high - low > 0
+    assert plan_fidelity.ratio_interval(solved, rival) == (low, high)
+    wide = high - low
+    low, high = plan_fidelity.ratio_interval(solved * 4, rival * 4)
+    assert high - low < wide
+    assert plan_fidelity.ratio_interval([100.0], rival) is None
+    h2h = {"solved": "solved", "rival": "torch DDP", "rounds": 24, "solved_measured": {"median_ms": 103.0, "all_ms": solved},
+           "rival_measured": {"median_ms": 100.0, "all_ms": rival}}
+    cell = plan_fidelity._head_to_head_cell(plan_fidelity.analyse(_model(h2h))["head_to_head"])
+    assert cell.startswith("103.0 / 100.0 (torch DDP, 24 rounds, ratio 1.03x, 90% CI ")
 
 
 def test_without_a_head_to_head_the_rounds_ratio_is_the_ratio():
