@@ -102,6 +102,10 @@ COMMANDS: dict[str, str] = {
     "python bench/plan_retime.py --from-run plan_fidelity_dec07 --name plan_fidelity_dec07-retime-all": ARGS,  # ~15 min
     "python bench/plan_fidelity.py --models llama-40:8x64,llama-64:8x32,gpt2-48:8x64,bert-56:8x64,cnn-18:8x32 "
     "--name plan_fidelity_dec07b": ARGS,  # ~26 min
+    "python bench/plan_fidelity.py --models llama-56:8x64,gpt2-40:8x64,bert-72:8x32,cnn-22:8x32,llama-176:8x64,"
+    "gpt2-144:8x32 --name plan_fidelity_dec08": ARGS,  # ~31 min
+    "python bench/plan_fidelity.py --models gpt2-56:8x64,llama-88:8x64,bert-48:8x64,cnn-26:8x32,bert-144:8x32 "
+    "--name plan_fidelity_dec08b": ARGS,  # ~27 min
     "python bench/step_decomposition.py --models llama-40:8x64 --plans data_parallel,megatron --hardware bench/results/plan_fidelity_dec07-profile.yaml --iters 16": ARGS,  # ~1 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
