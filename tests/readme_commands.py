@@ -106,6 +106,7 @@ COMMANDS: dict[str, str] = {
     "gpt2-144:8x32 --name plan_fidelity_dec08": ARGS,  # ~31 min
     "python bench/plan_fidelity.py --models gpt2-56:8x64,llama-88:8x64,bert-48:8x64,cnn-26:8x32,bert-144:8x32 "
     "--name plan_fidelity_dec08b": ARGS,  # ~27 min
+    "python bench/plan_retime.py --from-run plan_fidelity_dec08 --models gpt2-40:8x64,llama-56:8x64": ARGS,  # ~6 min
     "python bench/step_decomposition.py --models llama-40:8x64 --plans data_parallel,megatron --hardware bench/results/plan_fidelity_dec07-profile.yaml --iters 16": ARGS,  # ~1 min
     "python bench/step_decomposition.py --models gpt2-48,llama-64 --plans data_parallel --hardware "
     "bench/results/plan_fidelity_small-profile.yaml": ARGS,      # ~2 min
