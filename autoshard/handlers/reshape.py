@@ -46,9 +46,10 @@ def reshape_pairs(in_shape: Sequence[int], out_shape: Sequence[int]) -> DimPairs
     return pairs
 
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
              aten.squeeze.dims, aten.unsqueeze.default)
+"""Ops whose output is their input with another shape, same elements in the same order."""
 
 
 def _reshape_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
@@ -70,7 +71,7 @@ def _reshape_kernel(op: OpInfo, strategy: Strategy) -> LocalKernel:
     return default_kernel(op, strategy)
 
 
-@register(*_RESHAPES, family="view", free=True, kernel=_reshape_kernel,
+@register(*RESHAPES, family="view", free=True, kernel=_reshape_kernel,
           doc="reshape-like: an input dim stays sharded when it leads a group shared with the output")
 def reshape_rules(op: OpInfo) -> list[AxisOption]:
     """view/reshape/flatten/unflatten/squeeze/unsqueeze(x, ...)"""

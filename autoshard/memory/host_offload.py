@@ -19,7 +19,7 @@ from torch import nn
 from .param_flag import is_parameter_like
 
 __all__ = ["HOST_OFFLOAD_COUNTER", "HostOffloadCounter", "HostOffloadHooks", "HostOffloadRegion", "delegate_pack",
-           "delegate_unpack", "outer_saved_tensors_hooks"]
+           "delegate_unpack", "outer_saved_tensors_hooks", "unbroadcast"]
 
 
 class HostOffloadCounter:
@@ -116,7 +116,7 @@ class _HostCopy:
         self.device = t.device
         # A broadcast view (stride 0: an attention mask expanded over heads, which CUDA's SDPA saves)
         # is copied as the memory it reads and expanded again on the way back, not materialised.
-        compact = _unbroadcast(t)
+        compact = unbroadcast(t)
         self.broadcast_to = tuple(t.shape) if compact is not t else None
         # The tensor that owns the memory: ops often save a fresh view of a live value (linear saves
         # its input reshaped to 2D), and that view object dies once packed, while its base lives on.
@@ -172,7 +172,7 @@ class _HostCopy:
         return self.host.to(self.device, non_blocking=True)
 
 
-def _unbroadcast(t: torch.Tensor) -> torch.Tensor:
+def unbroadcast(t: torch.Tensor) -> torch.Tensor:
     """``t`` with every broadcast dim (stride 0, size > 1) narrowed to size 1 (``t`` itself if none):
     the elements it reads, which ``.expand(t.shape)`` turns back into ``t``."""
     if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride())):

@@ -267,23 +267,20 @@ def _offloaded_bytes(cg: "CostGraph", nodes: Iterable[NodePlan], decisions: dict
     return total
 
 
-_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
-          "aten.squeeze.dim", "aten.squeeze.default")
-
-
 def _broadcast_view_bytes(graph: "CapturedGraph", nodes: dict[str, NodePlan], resharded: set[tuple[str, int]],
                           value: "fx.Node", mesh) -> int | None:
     """Bytes the offload hooks copy of ``value`` where, on each device, it is a view of a broadcast
-    (an ``expand`` followed by views, each read as produced: a grouped-query attention's key and
+    (an ``expand`` followed by reshapes, each read as produced: a grouped-query attention's key and
     value heads repeated, whose local shard keeps the repeat as a stride-0 dimension): the memory it
-    reads (see :func:`autoshard.memory.host_offload._unbroadcast`). None where it is not one. The
+    reads (see :func:`autoshard.memory.host_offload.unbroadcast`). None where it is not one. The
     chain is replayed on meta tensors with each node's local shape, as the runtime runs it."""
     import torch
 
-    from ..memory.host_offload import _unbroadcast
+    from ..handlers.reshape import RESHAPES
+    from ..memory.host_offload import unbroadcast
 
     chain = []
-    while (str(value.target) in _VIEWS and (value.name, 0) not in resharded
+    while (value.target in RESHAPES and (value.name, 0) not in resharded
            and isinstance(value.args[0], torch.fx.Node)):
         chain.append(value)
         value = value.args[0]
@@ -300,7 +297,7 @@ def _broadcast_view_bytes(graph: "CapturedGraph", nodes: dict[str, NodePlan], re
     for n in reversed(chain):
         shape = local(n.name, nodes[n.name].outputs[0])
         t = t.expand(shape) if n is value else t.reshape(shape)
-    compact = _unbroadcast(t)
+    compact = unbroadcast(t)
     return compact.numel() * compact.element_size() if compact is not t else None
 
 
